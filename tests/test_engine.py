@@ -1,0 +1,133 @@
+from vllm_sim import tokenizer
+from vllm_sim.engine import Engine, EngineConfig, Request, SchedulingPolicy, run_to_completion
+from vllm_sim.profiles import LLAMA3_8B_H100 as H100
+
+
+def prompt(key: int, n: int) -> list[int]:
+    return tokenizer.encode(" ".join(tokenizer.filler_words(key, n)))
+
+
+def engine(**kw: object) -> Engine:
+    return Engine(EngineConfig.from_profile(H100, **kw))
+
+
+def test_second_identical_prompt_hits_whole_blocks_and_leaves_one_token() -> None:
+    e = engine()
+    p = prompt(1, 4000)
+    first = Request("a", p, 8, 0.0, ignore_eos=True)
+    second = Request("b", p, 8, 10.0, ignore_eos=True)
+    run_to_completion(e, [first, second])
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == 3984  # 249 full blocks: (4000 - 1) // 16 * 16
+    assert e.counters.prefix_hits == 3984
+    assert e.counters.prefix_queries == 8000
+    saved = H100.alpha_s * 3984
+    assert first.ttft is not None and second.ttft is not None
+    assert abs((first.ttft - second.ttft) - saved) < 0.002
+
+
+def test_ignore_eos_produces_exactly_max_tokens() -> None:
+    e = engine()
+    reqs = [Request(str(i), prompt(i, 50), 37, 0.0, ignore_eos=True) for i in range(5)]
+    run_to_completion(e, reqs)
+    assert all(r.num_output == 37 and r.finish_reason == "length" for r in reqs)
+
+
+def test_without_ignore_eos_length_is_drawn_deterministically() -> None:
+    lens = []
+    for _ in range(2):
+        e = engine(seed=3)
+        r = Request("x", prompt(9, 64), 1000, 0.0)
+        run_to_completion(e, [r])
+        lens.append((r.num_output, r.finish_reason))
+    assert lens[0] == lens[1]
+    assert lens[0][1] == "stop" and 1 <= lens[0][0] < 1000
+
+
+def test_same_seed_and_requests_give_identical_ttfts() -> None:
+    def run() -> list[float]:
+        e = engine(seed=11, num_gpu_blocks=400)
+        reqs = [Request(str(i), prompt(i % 7, 300 + 40 * i), 64, 0.01 * i) for i in range(40)]
+        run_to_completion(e, reqs)
+        return [r.ttft or -1.0 for r in reqs]
+
+    assert run() == run()
+
+
+def test_chunked_prefill_splits_long_prompts_by_token_budget() -> None:
+    e = engine(max_num_batched_tokens=1024)
+    r = Request("long", prompt(2, 4096), 1, 0.0, ignore_eos=True)
+    steps = []
+    run_to_completion(e, [r], steps.append)
+    assert [s.prefill_tokens for s in steps] == [1024, 1024, 1024, 1024]
+
+
+def test_decodes_are_scheduled_before_new_prefills() -> None:
+    e = engine(max_num_batched_tokens=512)
+    a = Request("a", prompt(1, 100), 50, 0.0, ignore_eos=True)
+    b = Request("b", prompt(2, 2000), 5, 0.05, ignore_eos=True)
+    steps = []
+    run_to_completion(e, [a, b], steps.append)
+    mixed = [s for s in steps if s.prefill_tokens and s.decode_seqs]
+    # Each step gives the decode its token first; the prefill gets what is left of the budget.
+    assert mixed and mixed[0].prefill_tokens == 511
+    assert all(s.prefill_tokens <= 511 and s.decode_seqs == 1 for s in mixed)
+
+
+def test_preemption_under_block_pressure_recomputes_and_is_counted() -> None:
+    """With too few blocks, the most recently admitted request is preempted and later finishes."""
+    e = engine(num_gpu_blocks=40)  # 39 usable blocks = 624 tokens
+    reqs = [Request(str(i), prompt(20 + i, 200), 120, 0.0, ignore_eos=True) for i in range(3)]
+    run_to_completion(e, reqs)
+    assert e.counters.preemptions > 0
+    assert all(r.finish_reason == "length" and r.num_output == 120 for r in reqs)
+    assert sum(r.num_preemptions for r in reqs) == e.counters.preemptions
+
+
+def test_priority_policy_serves_lower_priority_value_first() -> None:
+    e = engine(max_num_seqs=1, policy=SchedulingPolicy.PRIORITY)
+    blocker = Request("blocker", prompt(1, 20), 20, 0.0, ignore_eos=True)
+    low = Request("low", prompt(2, 20), 2, 0.001, ignore_eos=True, priority=5)
+    high = Request("high", prompt(3, 20), 2, 0.002, ignore_eos=True, priority=-1)
+    run_to_completion(e, [blocker, low, high])
+    assert high.first_token_time is not None and low.first_token_time is not None
+    assert high.first_token_time < low.first_token_time
+
+
+def test_max_num_seqs_limits_the_running_batch() -> None:
+    e = engine(max_num_seqs=4)
+    reqs = [Request(str(i), prompt(i, 30), 10, 0.0, ignore_eos=True) for i in range(10)]
+    peak = []
+    run_to_completion(e, reqs, lambda s: peak.append(e.num_running + len([x for x in s.events if x.finish_reason])))
+    assert max(peak) <= 4
+
+
+def test_cache_salt_isolates_prefixes() -> None:
+    e = engine()
+    p = prompt(5, 400)
+    a = Request("a", p, 2, 0.0, ignore_eos=True, cache_salt="tenant-a")
+    b = Request("b", p, 2, 1.0, ignore_eos=True, cache_salt="tenant-b")
+    c = Request("c", p, 2, 2.0, ignore_eos=True, cache_salt="tenant-a")
+    run_to_completion(e, [a, b, c])
+    assert (a.cached_tokens, b.cached_tokens, c.cached_tokens) == (0, 0, 384)
+
+
+def test_decoded_blocks_are_cached_for_the_next_turn() -> None:
+    """A follow-up prompt that contains the previous answer hits the blocks filled while decoding."""
+    e = engine()
+    p = prompt(8, 64)
+    first = Request("t1", p, 48, 0.0, ignore_eos=True)
+    run_to_completion(e, [first])
+    follow = p + [tokenizer.token_id(w) for w in first.output_words] + prompt(9, 20)
+    second = Request("t2", follow, 4, 5.0, ignore_eos=True)
+    run_to_completion(e, [second])
+    assert second.cached_tokens == (64 + 48 - 1) // 16 * 16
+
+
+def test_calibration_is_within_tolerance_for_every_profile() -> None:
+    from vllm_sim.calibrate import calibrate
+    from vllm_sim.profiles import PROFILES
+
+    for profile in PROFILES.values():
+        checks = calibrate(profile)
+        assert all(c.ok for c in checks), [(c.target.name, c.measured) for c in checks]

@@ -1,0 +1,392 @@
+"""One vLLM instance's engine core as a pure state machine on a caller-supplied clock.
+
+``Engine.step(now)`` does what vLLM V1's scheduler and model runner do in one iteration: it schedules
+running requests first (one token per decode, the next chunk of a partial prefill), preempting the most
+recent request (FCFS) or the lowest-priority one when KV blocks run out; then, only if nothing was
+preempted, it admits waiting requests while token budget, ``max_num_seqs`` and free blocks allow,
+crediting prefix-cache hits at admission. It returns the step's duration from the profile's cost model
+and the tokens produced at the step's end. The engine never sleeps or reads a clock, so the same code
+runs under asyncio in real time (``vllm_sim.server``) and on a virtual clock (``vllm_sim.virtual``),
+where the same seed and requests give identical results.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import mmh3
+
+from vllm_sim import tokenizer
+from vllm_sim.kv_cache import BLOCK_SIZE, NONE_HASH, BlockPool, block_hashes
+from vllm_sim.profiles import Profile
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class SchedulingPolicy(str, Enum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    profile: Profile
+    num_gpu_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    seed: int = 0
+
+    @classmethod
+    def from_profile(cls, profile: Profile, **overrides: object) -> EngineConfig:
+        values: dict[str, object] = {
+            "profile": profile,
+            "num_gpu_blocks": profile.num_gpu_blocks,
+            "max_num_seqs": profile.max_num_seqs,
+            "max_num_batched_tokens": profile.max_num_batched_tokens,
+            "max_model_len": profile.max_model_len,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+
+class Status(Enum):
+    WAITING = 1
+    RUNNING = 2
+    FINISHED = 3
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """A request inside one engine. Times are in the engine's (simulated) seconds."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    arrival: float
+    ignore_eos: bool = False
+    priority: int = 0
+    cache_salt: str | None = None
+    # Filled in by the engine.
+    output_len: int = 0
+    output_words: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # prompt + generated ids
+    hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of ``tokens``
+    root_hash: int = 0  # parent of the first block: NONE_HASH, or derived from cache_salt
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_registered: int = 0  # leading blocks already recorded in the prefix-cache index
+    num_output: int = 0
+    cached_tokens: int | None = None  # prefix-cache hit at first admission
+    status: Status = Status.WAITING
+    seq: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    request: Request
+    word: str | None  # None when the request ends without a new token (abort)
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    start: float
+    duration: float
+    prefill_tokens: int
+    decode_seqs: int
+    events: list[TokenEvent]
+
+    @property
+    def end(self) -> float:
+        return self.start + self.duration
+
+
+@dataclass(slots=True)
+class Counters:
+    prefix_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_hits: int = 0  # tokens found there
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
+
+
+class _WaitingQueue:
+    """FCFS deque, or a list sorted on (priority, arrival, seq) under the priority policy."""
+
+    def __init__(self, policy: SchedulingPolicy) -> None:
+        self.priority = policy is SchedulingPolicy.PRIORITY
+        self._fifo: deque[Request] = deque()
+        self._sorted: list[tuple[int, float, int, Request]] = []
+
+    def __len__(self) -> int:
+        return len(self._sorted) if self.priority else len(self._fifo)
+
+    def push(self, r: Request) -> None:
+        if self.priority:
+            bisect.insort(self._sorted, (r.priority, r.arrival, r.seq, r), key=lambda e: e[:3])
+        else:
+            self._fifo.append(r)
+
+    def push_front(self, r: Request) -> None:
+        # A preempted request goes back to the front (FCFS); under priority its key places it.
+        if self.priority:
+            self.push(r)
+        else:
+            self._fifo.appendleft(r)
+
+    def peek(self) -> Request:
+        return self._sorted[0][3] if self.priority else self._fifo[0]
+
+    def pop(self) -> Request:
+        return self._sorted.pop(0)[3] if self.priority else self._fifo.popleft()
+
+    def remove(self, r: Request) -> None:
+        if self.priority:
+            self._sorted = [e for e in self._sorted if e[3] is not r]
+        else:
+            self._fifo.remove(r)
+
+
+def _blocks_for(tokens: int) -> int:
+    return (tokens + BLOCK_SIZE - 1) // BLOCK_SIZE
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.pool = BlockPool(config.num_gpu_blocks)
+        self.waiting = _WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.counters = Counters()
+        self._seq = itertools.count()
+        self.by_id: dict[str, Request] = {}
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.prompt_len == 0:
+            raise ValueError("prompt must contain at least one token")
+        req.seq = next(self._seq)
+        req.tokens = list(req.prompt_ids)
+        req.root_hash = NONE_HASH if req.cache_salt is None else mmh3.hash64(req.cache_salt, signed=True)[0]
+        req.hashes = block_hashes(req.tokens, parent=req.root_hash)
+        req.output_len = self._output_len(req)
+        req.output_words = tokenizer.output_words(self._request_seed(req), req.output_len)
+        self.by_id[req.request_id] = req
+        self.waiting.push(req)
+
+    def _request_seed(self, req: Request) -> int:
+        head = ",".join(map(str, req.prompt_ids[:32]))
+        tail = ",".join(map(str, req.prompt_ids[-32:]))
+        return mmh3.hash(f"{self.config.seed}|{req.prompt_len}|{head}|{tail}", signed=False)
+
+    def _output_len(self, req: Request) -> int:
+        if req.ignore_eos:
+            return req.max_tokens
+        # EOS position drawn from a log-normal around 128 tokens, as chat replies vary widely.
+        rng = random.Random(self._request_seed(req) ^ 0x5EED)
+        drawn = 1 + int(rng.lognormvariate(math.log(128), 0.8))
+        return max(1, min(req.max_tokens, drawn))
+
+    def abort(self, request_id: str, now: float) -> Request | None:
+        req = self.by_id.get(request_id)
+        if req is None or req.status is Status.FINISHED:
+            return None
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.running.remove(req)
+        self._finish(req, now, "abort")
+        return req
+
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- scheduling -----------------------------------------------------------------------------
+    def _victim(self) -> Request:
+        if self.config.policy is SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda r: (r.priority, r.arrival, r.seq))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.pool.release(req.blocks)
+        req.blocks = []
+        req.num_computed = 0
+        req.num_registered = 0
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.push_front(req)
+        self.counters.preemptions += 1
+
+    def step(self, now: float) -> StepResult | None:
+        """Run one engine iteration starting at ``now``; None when there is nothing to do."""
+        if not self.has_work():
+            return None
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[Request, int] = {}
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            need = _blocks_for(req.num_computed + n) - len(req.blocks)
+            while need > self.pool.num_free:
+                victim = self._victim()
+                if victim in scheduled:
+                    budget += scheduled.pop(victim)
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break
+            if need > 0:
+                req.blocks.extend(self.pool.allocate(need))
+            scheduled[req] = n
+            budget -= n
+            i = self.running.index(req) + 1
+
+        if not preempted:
+            self._admit(scheduled, budget, now)
+        if not scheduled:
+            # Nothing fits (e.g. one prompt larger than the whole cache): drop the head request
+            # rather than spin, as vLLM rejects prompts that can never be scheduled.
+            head = self.waiting.pop()
+            self._finish(head, now, "error")
+            return StepResult(now, 0.0, 0, 0, [TokenEvent(head, None, "error")])
+        return self._execute(scheduled, now)
+
+    def _admit(self, scheduled: dict[Request, int], budget: int, now: float) -> None:
+        cfg = self.config
+        while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting.peek()
+            max_hit = (req.num_tokens - 1) // BLOCK_SIZE
+            hit = self.pool.lookup(req.hashes, max_hit)
+            computed = len(hit) * BLOCK_SIZE
+            n = min(req.num_tokens - computed, budget)
+            need = _blocks_for(computed + n) - len(hit)
+            if need > self.pool.num_free_after_touch(hit):
+                break
+            self.waiting.pop()
+            self.pool.touch(hit)
+            req.blocks = hit + self.pool.allocate(need)
+            req.num_computed = computed
+            req.num_registered = len(hit)
+            self.counters.prefix_queries += req.num_tokens
+            self.counters.prefix_hits += computed
+            if req.cached_tokens is None:
+                req.cached_tokens = computed
+            req.status = Status.RUNNING
+            self.running.append(req)
+            scheduled[req] = n
+            budget -= n
+
+    def _execute(self, scheduled: dict[Request, int], now: float) -> StepResult:
+        prefill = decode = context = 0
+        for req, n in scheduled.items():
+            if req.num_computed >= req.prompt_len and n == 1 and req.num_output > 0:
+                decode += 1
+            else:
+                prefill += n
+            context += req.num_computed + n
+        duration = self.config.profile.step_time(prefill, decode, context)
+        end = now + duration
+        events: list[TokenEvent] = []
+        for req, n in scheduled.items():
+            req.num_computed += n
+            self._register_full_blocks(req)
+            if req.num_computed < req.num_tokens:
+                continue  # a prefill chunk: no token sampled yet
+            word = req.output_words[req.num_output]
+            req.num_output += 1
+            req.tokens.append(tokenizer.token_id(word))
+            if req.first_token_time is None:
+                req.first_token_time = end
+                self.counters.prompt_tokens += req.prompt_len
+            req.last_token_time = end
+            self.counters.generation_tokens += 1
+            reason = None
+            if req.num_output >= req.output_len:
+                reason = "length" if req.num_output >= req.max_tokens else "stop"
+                self.running.remove(req)
+                self._finish(req, end, reason)
+            events.append(TokenEvent(req, word, reason))
+        return StepResult(now, duration, prefill, decode, events)
+
+    def _register_full_blocks(self, req: Request) -> None:
+        full = req.num_computed // BLOCK_SIZE
+        if full <= req.num_registered:
+            return
+        if len(req.hashes) < full:
+            parent = req.hashes[-1] if req.hashes else req.root_hash
+            req.hashes.extend(block_hashes(req.tokens[: full * BLOCK_SIZE], len(req.hashes), parent))
+        for b in range(req.num_registered, full):
+            self.pool.cache_block(req.blocks[b], req.hashes[b])
+        req.num_registered = full
+
+    def _finish(self, req: Request, now: float, reason: str) -> None:
+        self.pool.release(req.blocks)
+        req.blocks = []
+        req.status = Status.FINISHED
+        req.finish_time = now
+        req.finish_reason = reason
+        self.counters.finished[reason] += 1
+        self.by_id.pop(req.request_id, None)
+
+
+def run_to_completion(
+    engine: Engine,
+    arrivals: Sequence[Request],
+    on_step: Callable[[StepResult], None] | None = None,
+) -> list[Request]:
+    """Replay ``arrivals`` (sorted by ``arrival``) on a virtual clock until every request finishes."""
+    pending = deque(sorted(arrivals, key=lambda r: r.arrival))
+    now = 0.0
+    delay = engine.config.profile.frontend_s
+    while pending or engine.has_work():
+        while pending and pending[0].arrival + delay <= now:
+            engine.add_request(pending.popleft())
+        result = engine.step(now)
+        if result is None:
+            now = max(now, pending[0].arrival + delay)
+            continue
+        if on_step is not None:
+            on_step(result)
+        now = result.end
+    return list(arrivals)

@@ -1,0 +1,207 @@
+"""OpenAI request validation and response shapes as vLLM 0.11 produces them (contract §2).
+
+Pure functions: a parsed JSON body in, a ``Parsed`` request or an ``ApiError`` out; token events in,
+response dicts out. The HTTP layer (``vllm_sim.server``) only moves bytes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_sim import tokenizer
+
+
+class ApiError(Exception):
+    """An error answered in vLLM's envelope ``{"error": {message, type, param, code}}``."""
+
+    TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+             501: "NotImplementedError", 503: "ServiceUnavailableError", 429: "RateLimitError",
+             502: "BadGatewayError"}  # fmt: skip
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    kind: str  # "chat" | "completion"
+    model: str
+    prompt_ids: list[int]
+    max_tokens: int
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    priority: int
+    cache_salt: str | None
+    request_id: str
+
+
+def _int_field(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"{name} must be an integer", name)
+    if value < minimum:
+        raise ApiError(400, f"{name} must be at least {minimum}, got {value}.", name)
+    return value
+
+
+def _prompt_text(prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return " ".join(f"t{t}" for t in prompt)  # token ids map to words one to one
+    raise ApiError(400, "prompt must be a string, a list of one string, or a list of token ids", "prompt")
+
+
+def parse_request(
+    kind: str, body: Any, served_model: str, max_model_len: int, priority_enabled: bool
+) -> Parsed:
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    model = body.get("model") or served_model
+    if model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list of messages", "messages")
+        if not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "each message must be an object with role and content", "messages")
+        try:
+            text = tokenizer.render_chat(messages, bool(body.get("add_generation_prompt", True)))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "messages") from None
+    else:
+        if "prompt" not in body:
+            raise ApiError(400, "prompt is required", "prompt")
+        text = _prompt_text(body["prompt"])
+    prompt_ids = tokenizer.encode(text)
+    if not prompt_ids:
+        raise ApiError(400, "The prompt is empty.", "messages" if kind == "chat" else "prompt")
+
+    max_tokens = _int_field(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _int_field(body, "max_tokens", 1)
+    n = _int_field(body, "n", 1)
+    if n not in (None, 1):
+        raise ApiError(400, "Only n=1 is supported.", "n")
+    p = len(prompt_ids)
+    if max_tokens is None:
+        # vLLM: chat defaults to "up to max_model_len"; completions default to 16 tokens.
+        max_tokens = max(1, max_model_len - p) if kind == "chat" else 16
+    if p + max_tokens > max_model_len:
+        where = "in the messages" if kind == "chat" else "in the prompt"
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{p + max_tokens} tokens ({p} {where}, {max_tokens} in the completion). Please reduce the "
+            "length of the messages or completion.",
+            "messages" if kind == "chat" else "prompt",
+        )
+    stream = bool(body.get("stream", False))
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise ApiError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
+        if not isinstance(options, dict):
+            raise ApiError(400, "stream_options must be an object", "stream_options")
+    options = options or {}
+    priority = _int_field(body, "priority", -(2**31)) or 0
+    if priority != 0 and not priority_enabled:
+        raise ApiError(400, f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ApiError(400, "cache_salt must be a string", "cache_salt")
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    rid = body.get("request_id")
+    return Parsed(
+        kind=kind,
+        model=model,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+        continuous_usage=bool(options.get("continuous_usage_stats", False)),
+        priority=priority,
+        cache_salt=salt,
+        request_id=prefix + (rid if isinstance(rid, str) and rid else uuid.uuid4().hex),
+    )
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class ResponseBuilder:
+    """Builds the chunks and the final body of one request."""
+
+    def __init__(self, req: Parsed) -> None:
+        self.req = req
+        self.created = int(time.time())
+        self.chat = req.kind == "chat"
+        self.object = "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _chunk(self, choices: list[dict[str, Any]], usage_block: dict[str, Any] | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.req.request_id, "object": self.object, "created": self.created,
+                               "model": self.req.model, "choices": choices}  # fmt: skip
+        if self.req.include_usage or self.req.continuous_usage:
+            out["usage"] = usage_block
+        return out
+
+    def role_chunk(self) -> dict[str, Any]:
+        return self._chunk(
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+              "finish_reason": None}], None)  # fmt: skip
+
+    def token_chunk(self, text: str, finish_reason: str | None, running: dict[str, Any] | None) -> dict[str, Any]:
+        choice: dict[str, Any]
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = None
+        return self._chunk([choice], running if self.req.continuous_usage else None)
+
+    def usage_chunk(self, usage_block: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.req.request_id, "object": self.object, "created": self.created,
+                "model": self.req.model, "choices": [], "usage": usage_block}  # fmt: skip
+
+    def full(self, text: str, finish_reason: str, usage_block: dict[str, Any]) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                            "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None},
+                "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
+            }  # fmt: skip
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                      "stop_reason": None, "prompt_logprobs": None}  # fmt: skip
+            obj = "text_completion"
+        return {"id": self.req.request_id, "object": obj, "created": self.created, "model": self.req.model,
+                "choices": [choice], "usage": usage_block, "service_tier": None, "system_fingerprint": None,
+                "prompt_logprobs": None, "kv_transfer_params": None}  # fmt: skip

@@ -1,0 +1,342 @@
+"""HTTP front end of one simulated vLLM instance (aiohttp), with vLLM 0.11's routes and shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from vllm_sim import __version__, protocol, tokenizer
+from vllm_sim.engine import Engine, EngineConfig, Request, SchedulingPolicy
+from vllm_sim.faults import Faults
+from vllm_sim.metrics import CONTENT_TYPE, InstanceMetrics
+from vllm_sim.realtime import INTERNAL_ERROR, EngineLoop
+
+logger = logging.getLogger(__name__)
+VLLM_VERSION = "0.11.0"
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceConfig:
+    model: str
+    engine: EngineConfig
+    time_scale: float = 1.0
+    faults: Faults = Faults()
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status, dumps=lambda d: json.dumps(d, separators=(",", ":")))
+
+
+def _error(exc: protocol.ApiError) -> web.Response:
+    return _json(exc.body(), exc.status)
+
+
+class Instance:
+    """One simulated vLLM server: an engine, its real-time loop, metrics, faults and routes."""
+
+    def __init__(self, config: InstanceConfig) -> None:
+        self.config = config
+        self.engine = Engine(config.engine)
+        self.faults = config.faults
+        self.rng = random.Random(config.engine.seed)
+        self.loop: EngineLoop | None = None
+        self.metrics = InstanceMetrics(self.engine, config.model, self._lag)
+        self.created = int(time.time())
+        self.site: web.TCPSite | None = None
+        self.runner: web.AppRunner | None = None
+        self._reopen: asyncio.Task[None] | None = None
+
+    def _lag(self) -> float:
+        return self.loop.step_lag() if self.loop else 0.0
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._errors])
+        r = app.router
+        r.add_post("/v1/chat/completions", self.chat)
+        r.add_post("/v1/completions", self.completions)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/health", self.health)
+        r.add_get("/ping", self.health)
+        r.add_post("/ping", self.health)
+        r.add_get("/version", self.version)
+        r.add_get("/load", self.load)
+        r.add_get("/metrics", self.prom)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
+        r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        r.add_get("/sim/faults", self.get_faults)
+        r.add_post("/sim/faults", self.set_faults)
+        r.add_delete("/sim/faults", self.clear_faults)
+        app.cleanup_ctx.append(self._engine_ctx)
+        return app
+
+    async def _engine_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        self.loop = EngineLoop(self.engine, self.config.time_scale)
+        task = asyncio.create_task(self.loop.run(), name=f"engine-{self.config.model}")
+        yield
+        task.cancel()
+        if self._reopen:
+            self._reopen.cancel()
+
+    async def start(self, host: str, port: int) -> None:
+        self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        await self.runner.setup()
+        await self._listen(host, port)
+
+    async def _listen(self, host: str, port: int) -> None:
+        assert self.runner is not None
+        self.site = web.TCPSite(self.runner, host, port, reuse_address=True)
+        await self.site.start()
+
+    async def stop(self) -> None:
+        if self.runner:
+            await self.runner.cleanup()
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        # vLLM never answers with a stack trace: unexpected failures become a 500 envelope.
+        try:
+            return await handler(request)
+        except protocol.ApiError as exc:
+            return _error(exc)
+        except web.HTTPException as exc:
+            if exc.status == 404:
+                return _json({"detail": "Not Found"}, 404)
+            if exc.status == 405:
+                return _json({"detail": "Method Not Allowed"}, 405)
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            logger.exception("internal error")
+            return _error(protocol.ApiError(500, "Internal server error"))
+
+    async def _apply_request_faults(self) -> None:
+        f = self.faults
+        if f.hang:
+            await asyncio.Event().wait()  # until the client gives up (handler cancellation)
+        if f.latency_ms:
+            await asyncio.sleep(f.latency_ms / 1000.0)
+
+    # -- OpenAI API -------------------------------------------------------------------------------
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _read_json(self, request: web.Request) -> Any:
+        ctype = request.headers.get("Content-Type", "")
+        if "application/json" not in ctype:
+            raise protocol.ApiError(400, "Unsupported Media Type: Only 'application/json' is allowed")
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise protocol.ApiError(400, f"JSON decode error: {exc}") from None
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        await self._apply_request_faults()
+        body = await self._read_json(request)
+        cfg = self.config.engine
+        parsed = protocol.parse_request(
+            kind, body, self.config.model, cfg.max_model_len, cfg.policy is SchedulingPolicy.PRIORITY
+        )
+        f = self.faults
+        if f.fail_rate and self.rng.random() < f.fail_rate:
+            raise protocol.ApiError(f.fail_status, "Injected failure")
+        assert self.loop is not None
+        loop = self.loop
+        arrival = loop.sim_now()
+        # Frontend work (API, tokenization) happens before the engine sees the request.
+        await asyncio.sleep(loop.to_wall(cfg.profile.frontend_s))
+        req = Request(
+            request_id=parsed.request_id, prompt_ids=parsed.prompt_ids, max_tokens=parsed.max_tokens,
+            arrival=arrival, ignore_eos=parsed.ignore_eos, priority=parsed.priority,
+            cache_salt=parsed.cache_salt,
+        )  # fmt: skip
+        queue = loop.submit(req)
+        builder = protocol.ResponseBuilder(parsed)
+        try:
+            if parsed.stream:
+                return await self._stream(request, req, queue, builder)
+            return await self._collect(req, queue, builder)
+        finally:
+            if req.finish_reason is None:
+                loop.abort(req.request_id)
+
+    def _observe_token(self, req: Request, now: float, last: float | None) -> None:
+        if last is None:
+            self.metrics.ttft.observe(now - req.arrival)
+        else:
+            self.metrics.observe_token_gap(now - last)
+
+    def _finish_metrics(self, req: Request) -> None:
+        if req.finish_time is not None:
+            self.metrics.e2e.observe(req.finish_time - req.arrival)
+
+    async def _collect(
+        self, req: Request, queue: asyncio.Queue[Any], builder: protocol.ResponseBuilder
+    ) -> web.Response:
+        words: list[str] = []
+        last: float | None = None
+        while True:
+            event = await queue.get()
+            if event.word is not None:
+                self._observe_token(req, req.last_token_time or 0.0, last)
+                last = req.last_token_time
+                words.append(event.word)
+            if event.finish_reason is not None:
+                break
+        if event.finish_reason == INTERNAL_ERROR:
+            raise protocol.ApiError(500, "The engine failed while running this request.")
+        if event.finish_reason == "error":
+            raise protocol.ApiError(400, "The prompt does not fit in the KV cache.", "prompt")
+        self._finish_metrics(req)
+        usage = protocol.usage(req.prompt_len, len(words), req.cached_tokens or 0)
+        return _json(builder.full(tokenizer.decode_words(words), event.finish_reason, usage))
+
+    async def _stream(
+        self, request: web.Request, req: Request, queue: asyncio.Queue[Any], builder: protocol.ResponseBuilder
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                           "Cache-Control": "no-cache"})  # fmt: skip
+
+        async def send(obj: Any) -> None:
+            await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+        n = 0
+        last: float | None = None
+        abort_after = self.faults.abort_after_tokens
+        while True:
+            event = await queue.get()
+            if not resp.prepared:
+                # Like vLLM, headers and the role chunk leave with the first engine output.
+                await resp.prepare(request)
+                if builder.chat:
+                    await send(builder.role_chunk())
+            if event.finish_reason in ("error", INTERNAL_ERROR):
+                # vLLM reports failures after the stream started as an error event, then [DONE].
+                err = (protocol.ApiError(500, "The engine failed while running this request.")
+                       if event.finish_reason == INTERNAL_ERROR
+                       else protocol.ApiError(400, "The prompt does not fit in the KV cache."))  # fmt: skip
+                await send(err.body())
+                break
+            if event.word is not None:
+                self._observe_token(req, req.last_token_time or 0.0, last)
+                last = req.last_token_time
+                n += 1
+                running = protocol.usage(req.prompt_len, n, req.cached_tokens or 0)
+                await send(builder.token_chunk(" " + event.word, event.finish_reason, running))
+                if abort_after is not None and n >= abort_after and event.finish_reason is None:
+                    # Simulates an engine crash mid-stream: the connection drops without [DONE].
+                    if request.transport is not None:
+                        request.transport.abort()
+                    raise asyncio.CancelledError
+            if event.finish_reason is not None:
+                self._finish_metrics(req)
+                if builder.req.include_usage:
+                    await send(builder.usage_chunk(protocol.usage(req.prompt_len, n, req.cached_tokens or 0)))
+                break
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        m = self.config.model
+        card = {
+            "id": m, "object": "model", "created": self.created, "owned_by": "vllm", "root": m,
+            "parent": None, "max_model_len": self.config.engine.max_model_len,
+            "permission": [{"id": f"modelperm-{m}", "object": "model_permission", "created": self.created,
+                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                            "organization": "*", "group": None, "is_blocking": False}],
+        }  # fmt: skip
+        return _json({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.faults.hang:
+            await asyncio.Event().wait()
+        return web.Response(status=503 if self.faults.unhealthy else 200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": VLLM_VERSION})
+
+    async def load(self, request: web.Request) -> web.Response:
+        return _json({"server_load": 0})  # vLLM leaves it 0 without --enable-server-load-tracking
+
+    async def prom(self, request: web.Request) -> web.Response:
+        mode = self.faults.metrics
+        if mode == "slow":
+            await asyncio.sleep(self.faults.metrics_delay_ms / 1000.0)
+        if mode == "garbage":
+            return web.Response(body=b"\x00\xffnot{prometheus text\n", content_type="text/plain")
+        if mode == "empty":
+            return web.Response(body=b"", headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._read_json(request)
+        if not isinstance(body, dict):
+            raise protocol.ApiError(400, "The request body must be a JSON object.")
+        if "messages" in body:
+            text = tokenizer.render_chat(body["messages"], bool(body.get("add_generation_prompt", True)))
+        elif isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        else:
+            raise protocol.ApiError(400, "prompt (a string) or messages is required", "prompt")
+        ids = tokenizer.encode(text)
+        strs = text.split() if body.get("return_token_strs") else None
+        return _json({"count": len(ids), "max_model_len": self.config.engine.max_model_len, "tokens": ids,
+                      "token_strs": strs})  # fmt: skip
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        raise protocol.ApiError(501, "The simulator's token ids are hashes and cannot be detokenized.")
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        ok = self.engine.pool.reset_prefix_cache()
+        return web.Response(status=200 if ok else 400)
+
+    # -- fault injection ----------------------------------------------------------------------------
+    async def get_faults(self, request: web.Request) -> web.Response:
+        return _json(self.faults.to_dict())
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        body = await self._read_json(request)
+        if not isinstance(body, dict):
+            raise protocol.ApiError(400, "faults must be a JSON object")
+        try:
+            faults = Faults.from_mapping(body, self.faults)
+        except (ValueError, TypeError) as exc:
+            raise protocol.ApiError(400, str(exc)) from None
+        self.faults = faults
+        if faults.refuse_for_s > 0:
+            self._reopen = asyncio.create_task(self._refuse(faults.refuse_for_s))
+            self.faults = Faults.from_mapping({"refuse_for_s": 0.0}, faults)
+        return _json(self.faults.to_dict())
+
+    async def clear_faults(self, request: web.Request) -> web.Response:
+        self.faults = Faults()
+        return _json(self.faults.to_dict())
+
+    async def _refuse(self, seconds: float) -> None:
+        site = self.site
+        if site is None:
+            return
+        host, port = site._host, site._port  # the address this instance was started on
+        await asyncio.sleep(0.05)  # let the admin response leave first
+        await site.stop()
+        await asyncio.sleep(seconds)
+        assert host is not None
+        await self._listen(host, port)
