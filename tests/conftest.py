@@ -1,0 +1,84 @@
+"""Shared fixtures: real processes (redis-server, vllm-sim, sidecar, nginx) on free ports in temp dirs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgate.stack import Stack, free_port
+
+MODEL = "sim-model"
+
+
+def free_ports(n: int) -> int:
+    """First of n consecutive free ports (vllm-sim --instances serves port..port+n-1)."""
+    for _ in range(200):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", base + i))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports found")
+
+
+def http_json(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
+              timeout: float = 10.0) -> tuple[int, Any]:  # fmt: skip
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            if "json" not in resp.headers.get("Content-Type", ""):
+                return resp.status, raw.decode(errors="replace")
+            return resp.status, (json.loads(raw) if raw else None)
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        exc.close()
+        try:
+            return exc.code, json.loads(raw)
+        except ValueError:
+            return exc.code, raw.decode(errors="replace")
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0, every: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    s = Stack(tmp_path / "run")
+    try:
+        yield s
+    finally:
+        s.stop_all()
+
+
+def require_binary(name: str) -> str:
+    path = shutil.which(name) or (f"/usr/sbin/{name}" if Path(f"/usr/sbin/{name}").exists() else None)
+    if path is None:
+        pytest.fail(f"{name} is not installed: run `make setup` (tests never skip missing parts)")
+    return path

@@ -1,0 +1,219 @@
+"""The simulator over real HTTP with the official openai client (one vllm-sim process per module)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from kvgate.stack import Stack
+from tests.conftest import MODEL, free_ports, http_json, require_binary, wait_until
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    s = Stack(tmp_path_factory.mktemp("sim"))
+    port = free_ports(2)
+    s.start_sim(port, 2, "sim", "--model", MODEL, "--max-model-len", "8192", "--seed", "1")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        s.stop_all()
+
+
+@pytest.fixture
+def client(sim: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=sim + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def words(n: int, key: str = "x") -> str:
+    return " ".join(f"{key}{i}" for i in range(n))
+
+
+def test_chat_non_streaming_shape_and_usage(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words(10, "a")}],
+                                       max_tokens=7, extra_body={"ignore_eos": True})  # fmt: skip
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert len(r.choices[0].message.content.split()) == 7
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 10 + 3 and r.usage.completion_tokens == 7
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_streaming_role_chunk_tokens_usage_and_done(client: openai.OpenAI, sim: str) -> None:
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words(20, "b")}],
+                                            max_tokens=5, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    content = [c for c in chunks[1:] if c.choices]
+    assert len(content) == 5 and content[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    # The raw stream ends with [DONE].
+    req = urllib.request.Request(sim + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+                                 data=b'{"prompt": "hello world", "max_tokens": 3, "stream": true}')  # fmt: skip
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        raw = resp.read().decode()
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and len(events) == 4
+
+
+def test_completions_streaming_and_not(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=words(30, "c"), max_tokens=4, extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and len(r.choices[0].text.split()) == 4
+    chunks = list(client.completions.create(model=MODEL, prompt=words(30, "c"), max_tokens=4, stream=True,
+                                            extra_body={"ignore_eos": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_repeated_prompt_reports_cached_tokens_faster_ttft_and_metrics(client: openai.OpenAI, sim: str) -> None:
+    prompt = words(4000, "d")  # 4,000 tokens exactly (completions add no template)
+
+    def ttft() -> tuple[float, int]:
+        t0 = time.perf_counter()
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True,
+                                           stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        first = None
+        cached = -1
+        for c in stream:
+            if first is None and c.choices:
+                first = time.perf_counter() - t0
+            if c.usage is not None:
+                cached = c.usage.prompt_tokens_details.cached_tokens
+        assert first is not None
+        return first, cached
+
+    def hits() -> float:
+        text = urllib.request.urlopen(sim + "/metrics", timeout=5).read().decode()
+        line = next(x for x in text.splitlines() if x.startswith("vllm:prefix_cache_hits_total"))
+        return float(line.rsplit(" ", 1)[1])
+
+    before = hits()
+    cold, cached0 = ttft()
+    warm, cached1 = ttft()
+    assert cached0 == 0 and cached1 == 3984
+    assert hits() - before == 3984
+    # The profile predicts 3,984 x 0.0325 ms = 129 ms less prefill; wall clock adds noise.
+    assert 0.08 < cold - warm < 0.2, (cold, warm)
+
+
+def test_errors_use_vllm_envelope(sim: str) -> None:
+    status, body = http_json("POST", sim + "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    assert status == 404 and body["error"]["type"] == "NotFoundError" and body["error"]["param"] == "model"
+    status, body = http_json("POST", sim + "/v1/chat/completions", {"messages": "x"})
+    assert status == 400 and body["error"]["code"] == 400
+    status, body = http_json("POST", sim + "/v1/completions", {"prompt": words(9000), "max_tokens": 1})
+    assert status == 400 and "maximum context length is 8192" in body["error"]["message"]
+    status, body = http_json("POST", sim + "/v1/completions", {"prompt": "x", "priority": 3})
+    assert status == 400 and "Priority scheduling is not enabled" in body["error"]["message"]
+    status, body = http_json("POST", sim + "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}})
+    assert status == 400
+    req = urllib.request.Request(sim + "/v1/completions", data=b"{not json", method="POST",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=5)
+    assert err.value.code == 400 and b"Traceback" not in err.value.read()
+    err.value.close()
+
+
+def test_unknown_fields_are_accepted(sim: str) -> None:
+    status, body = http_json("POST", sim + "/v1/completions", {"prompt": "x y", "max_tokens": 2, "frobnicate": 1})
+    assert status == 200 and body["usage"]["completion_tokens"] <= 2
+
+
+def test_side_endpoints(sim: str) -> None:
+    assert http_json("GET", sim + "/v1/models")[1]["data"][0]["id"] == MODEL
+    assert http_json("GET", sim + "/version")[1] == {"version": "0.11.0"}
+    status, tok = http_json("POST", sim + "/tokenize", {"prompt": "one two three"})
+    assert status == 200 and tok["count"] == 3 and tok["max_model_len"] == 8192
+    with urllib.request.urlopen(sim + "/health", timeout=5) as resp:
+        assert resp.status == 200 and resp.read() == b""
+    assert http_json("GET", sim + "/server_info")[0] == 404  # vLLM outside dev mode
+
+
+def test_metrics_pass_promtool_apart_from_vllms_colon_names(sim: str) -> None:
+    promtool = require_binary("promtool")
+    text = urllib.request.urlopen(sim + "/metrics", timeout=5).read()
+    for name in ("vllm:num_requests_running{", "vllm:kv_cache_usage_perc{", "vllm:gpu_cache_usage_perc{",
+                 "vllm:prefix_cache_queries_total{", "vllm:gpu_prefix_cache_hits_total{",
+                 "vllm:num_preemptions_total{", "vllm:request_success_total{", "vllm:cache_config_info{",
+                 'vllm:time_to_first_token_seconds_bucket{engine="0",le="2560.0"', "vllm_sim:step_lag_seconds{",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket"):  # fmt: skip
+        assert name.encode() in text, name
+    out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
+    problems = [line for line in (out.stdout + out.stderr).decode().splitlines()
+                if line.strip() and "should not contain ':'" not in line]  # fmt: skip
+    assert problems == []
+
+
+def test_faults_unhealthy_fail_rate_and_garbage_metrics(sim: str) -> None:
+    other = sim.rsplit(":", 1)[0] + ":" + str(int(sim.rsplit(":", 1)[1]) + 1)
+    try:
+        assert http_json("POST", other + "/sim/faults", {"unhealthy": True, "fail_rate": 1.0, "fail_status": 503,
+                                                          "metrics": "garbage"})[0] == 200  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(other + "/health", timeout=5)
+        assert err.value.code == 503
+        err.value.close()
+        status, body = http_json("POST", other + "/v1/completions", {"prompt": "x", "max_tokens": 1})
+        assert status == 503 and body["error"]["code"] == 503
+        assert b"vllm:" not in urllib.request.urlopen(other + "/metrics", timeout=5).read()
+        assert http_json("POST", other + "/sim/faults", {"bogus": 1})[0] == 400
+    finally:
+        http_json("DELETE", other + "/sim/faults")
+    assert http_json("POST", other + "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
+
+
+def test_fault_abort_after_tokens_cuts_the_stream(sim: str, client: openai.OpenAI) -> None:
+    http_json("POST", sim + "/sim/faults", {"abort_after_tokens": 2})
+    try:
+        with pytest.raises((openai.APIError, Exception)):  # noqa: B017 - the transport error type varies
+            list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=10, stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+    finally:
+        http_json("DELETE", sim + "/sim/faults")
+
+
+def test_fault_refuse_connections_then_recover(tmp_path: Path) -> None:
+    s = Stack(tmp_path / "run")
+    port = free_ports(1)
+    try:
+        s.start_sim(port, 1, "sim")
+        url = f"http://127.0.0.1:{port}"
+        assert http_json("POST", url + "/sim/faults", {"refuse_for_s": 1.0})[0] == 200
+        time.sleep(0.3)
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(url + "/health", timeout=2)
+
+        def answers() -> bool:
+            try:
+                return http_json("GET", url + "/version", timeout=1)[0] == 200
+            except OSError:
+                return False
+
+        wait_until(answers, timeout=5)
+    finally:
+        s.stop_all()
+
+
+def test_fault_hang_accepts_and_never_answers(sim: str) -> None:
+    other = sim.rsplit(":", 1)[0] + ":" + str(int(sim.rsplit(":", 1)[1]) + 1)
+    http_json("POST", other + "/sim/faults", {"hang": True})
+    try:
+        body = b'{"prompt": "x", "max_tokens": 1}'
+        with socket.create_connection(("127.0.0.1", int(other.rsplit(":", 1)[1])), timeout=0.5) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            with pytest.raises(TimeoutError):
+                conn.recv(1)
+    finally:
+        http_json("DELETE", other + "/sim/faults")
