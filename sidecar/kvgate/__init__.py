@@ -1,0 +1,1 @@
+"""kvgate: the routing sidecar and the command-line entry point."""

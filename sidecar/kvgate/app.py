@@ -1,0 +1,189 @@
+"""The sidecar application: wires config, Redis, the registry, the control loops and both APIs.
+
+One cleanup context per resource (aiohttp docs): each is set up before ``yield`` and torn down after,
+so teardown runs exactly for what was set up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import redis.asyncio as aioredis
+from aiohttp import web
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvgate.config import Config
+from kvgate.decision_socket import DecisionServer
+from kvgate.http_api import HttpApi
+from kvgate.membership import Membership
+from kvgate.metrics import SidecarMetrics
+from kvgate.prefix_index import PrefixIndex
+from kvgate.registry import Registry
+from kvgate.scraper import ScrapeError, scrape, served_models
+from kvgate.service import DecisionService
+from kvgate.sessions import SessionStore
+
+logger = logging.getLogger(__name__)
+MODELS_EVERY = 20  # scrape rounds between /v1/models refreshes
+
+REDIS = web.AppKey("redis", aioredis.Redis)
+SERVICE = web.AppKey("service", DecisionService)
+REGISTRY = web.AppKey("registry", Registry)
+MEMBERSHIP = web.AppKey("membership", Membership)
+
+
+def redis_client(config: Config) -> aioredis.Redis | None:
+    """A client with explicit budgets: redis-py's defaults (no timeout, retries) would stall routing."""
+    rc = config.redis
+    if rc.url is None:
+        return None
+    return aioredis.Redis.from_url(
+        rc.url,
+        socket_timeout=rc.timeout_s,
+        socket_connect_timeout=rc.connect_timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+        max_connections=64,
+        health_check_interval=0,
+    )
+
+
+async def _scrape_round(registry: Registry, session: aiohttp.ClientSession, config: Config, n: int,
+                        metrics: SidecarMetrics) -> None:  # fmt: skip
+    sc = config.scrape
+
+    async def one(bid: str, url: str, want_models: bool) -> None:
+        t0 = time.perf_counter()
+        try:
+            scraped = await scrape(session, url, sc.timeout_s)
+            if want_models:
+                models = await served_models(session, url, sc.timeout_s)
+                state = registry.backends.get(bid)
+                if state is not None and state.models != models:
+                    state.models = models
+        except ScrapeError as exc:
+            registry.failure(bid, str(exc))
+            return
+        finally:
+            metrics.scrape_latency.observe(time.perf_counter() - t0)
+        registry.scrape_ok(bid, scraped)
+
+    jobs = [one(bid, s.spec.url, n % MODELS_EVERY == 0 or not s.models)
+            for bid, s in list(registry.backends.items())]  # fmt: skip
+    await asyncio.gather(*jobs)
+    registry.expire_inflight(time.monotonic())
+
+
+async def scrape_loop(registry: Registry, session: aiohttp.ClientSession, config: Config,
+                      metrics: SidecarMetrics) -> None:  # fmt: skip
+    n = 0
+    while True:
+        started = time.monotonic()
+        await _scrape_round(registry, session, config, n, metrics)
+        n += 1
+        await asyncio.sleep(max(0.0, config.scrape.interval_s - (time.monotonic() - started)))
+
+
+async def membership_loop(membership: Membership, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        await membership.refresh()
+
+
+def create_app(config: Config, config_path: str | Path | None = None) -> web.Application:
+    app = web.Application()
+    metrics = SidecarMetrics()
+    registry = Registry(config.scrape, config.routing, metrics)
+    client = redis_client(config)
+    sessions = SessionStore(config.redis, metrics, client)
+    membership = Membership(client, config.redis.prefix, registry, metrics)
+    service = DecisionService(config, registry, sessions, PrefixIndex(config.routing.prefix_index_blocks), metrics)
+    app[SERVICE] = service
+    app[REGISTRY] = registry
+    app[MEMBERSHIP] = membership
+
+    async def reload() -> None:
+        if config_path is None:
+            return
+        fresh = Config.from_file(config_path)
+        await membership.replace(fresh.backends)
+        logger.warning("reloaded %d backend(s) from %s", len(fresh.backends), config_path)
+
+    HttpApi(config, registry, membership, service, metrics, reload).routes(app)
+    app["reload"] = reload
+
+    async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
+        yield
+        if client is not None:
+            await client.aclose()
+
+    async def control_ctx(app: web.Application) -> AsyncIterator[None]:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=30))
+        await membership.seed(config.backends)
+        # One round before serving, so the first decisions see health, load and models.
+        await _scrape_round(registry, session, config, 0, metrics)
+        tasks = [asyncio.create_task(scrape_loop(registry, session, config, metrics), name="scrape"),
+                 asyncio.create_task(membership_loop(membership, config.scrape.membership_refresh_s),
+                                     name="membership")]  # fmt: skip
+        yield
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await session.close()
+
+    async def socket_ctx(app: web.Application) -> AsyncIterator[None]:
+        server = DecisionServer(service, registry)
+        Path(config.listen.socket).parent.mkdir(parents=True, exist_ok=True)
+        await server.start(config.listen.socket)
+        yield
+        await server.stop()
+
+    app.cleanup_ctx.extend([redis_ctx, control_ctx, socket_ctx])
+    return app
+
+
+async def serve(config: Config, config_path: str | Path | None = None) -> None:
+    """Run the sidecar until SIGINT/SIGTERM; SIGHUP reloads backends from the config file."""
+    import signal
+
+    app = create_app(config, config_path)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.listen.http_host, config.listen.http_port)
+    await site.start()
+    logger.warning("kvgate sidecar: decisions on unix:%s, HTTP on %s:%d", config.listen.socket,
+                   config.listen.http_host, config.listen.http_port)  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    reloads: set[asyncio.Task[None]] = set()
+
+    def on_hup() -> None:
+        task = asyncio.create_task(_safe_reload(app))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+async def _safe_reload(app: web.Application) -> None:
+    from kvgate.config import ConfigError
+
+    try:
+        await app["reload"]()
+    except ConfigError as exc:
+        logger.error("reload failed, keeping the running config: %s", exc)

@@ -1,0 +1,141 @@
+"""Request features: what a routing decision needs to know about a request, without its body.
+
+Nginx's Lua hook (``lua/kvgate/features.lua``) computes exactly these from the request body and sends
+only them to the sidecar; this module is the Python twin used by the benchmark and the tests, and both
+are checked against ``tests/golden/features.json``.
+
+* ``text``: the prompt's canonical text. Chat: ``role ":" content "\n"`` per message, content parts of
+  type text joined by one space. Completions: the prompt string.
+* ``hashes``: chained hashes of its full ``CHUNK_BYTES`` chunks, ``h_i = md5(h_{i-1} .. chunk_i)``
+  (first 16 hex digits; ``h_0 = md5(chunk_0)``), at most ``MAX_CHUNKS``; they feed the prefix index.
+* ``key``: the affinity key, in order: the session header (``h:``), the OpenAI ``user`` field (``u:``),
+  else a key derived from the prompt's leading content (``p:``). For chat the derived key hashes the
+  first user message (its first ``KEY_BYTES``), never the system prompt, so a system prompt shared by
+  every request cannot collapse all traffic onto one node, while a conversation, which resends its
+  history, keeps its key on every turn. For completions it is the chain hash at ``KEY_CHUNKS`` chunks
+  (or the last full chunk, or the whole prompt when shorter).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+CHUNK_BYTES = 512
+MAX_CHUNKS = 1024
+KEY_BYTES = 1024
+KEY_CHUNKS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    model: str | None
+    key: str | None
+    key_source: str  # header | user | prefix | none
+    hashes: tuple[str, ...]
+    prompt_bytes: int
+    max_tokens: int | None = None
+
+    @property
+    def est_tokens(self) -> int:
+        """Prompt tokens, estimated at 4 bytes per token (English text under BPE tokenizers)."""
+        return self.prompt_bytes // 4
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Features:
+        """Features as Lua sends them: ``{m, k, ks, h, b, mt}``."""
+        hashes = d.get("h") or ()
+        mt = d.get("mt")
+        return cls(
+            model=d.get("m") or None,
+            key=d.get("k") or None,
+            key_source=str(d.get("ks") or "none"),
+            hashes=tuple(str(h) for h in hashes),
+            prompt_bytes=int(d.get("b") or 0),
+            max_tokens=int(mt) if isinstance(mt, int) else None,
+        )
+
+
+def _md5_16(data: bytes) -> str:
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()[:16]
+
+
+def content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(
+            p["text"] if isinstance(p.get("text"), str) else ""
+            for p in content
+            if isinstance(p, Mapping) and p.get("type") == "text"
+        )
+    return ""
+
+
+def canonical_text(body: Mapping[str, Any]) -> tuple[str, str | None]:
+    """(canonical prompt text, text the derived key hashes or None for completions)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts: list[str] = []
+        first_user: str | None = None
+        for m in messages:
+            if not isinstance(m, Mapping):
+                continue
+            text = content_text(m.get("content"))
+            role = m.get("role")
+            role = role if isinstance(role, str) else ""
+            parts.append(f"{role}:{text}\n")
+            if first_user is None and role == "user":
+                first_user = text
+        return "".join(parts), first_user
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return (prompt if isinstance(prompt, str) else ""), None
+
+
+def chunk_hashes(data: bytes) -> list[str]:
+    out: list[str] = []
+    prev = b""
+    n = min(len(data) // CHUNK_BYTES, MAX_CHUNKS)
+    for i in range(n):
+        h = _md5_16(prev + data[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES])
+        out.append(h)
+        prev = h.encode()
+    return out
+
+
+def extract(body: Mapping[str, Any], headers: Mapping[str, str] | None = None,
+            session_header: str = "X-Session-ID") -> Features:  # fmt: skip
+    text, first_user = canonical_text(body)
+    data = text.encode()
+    hashes = chunk_hashes(data)
+    key: str | None = None
+    source = "none"
+    header_value = None
+    if headers:
+        wanted = session_header.lower()
+        header_value = next((v for k, v in headers.items() if k.lower() == wanted), None)
+    user = body.get("user")
+    if header_value:
+        key, source = "h:" + header_value, "header"
+    elif isinstance(user, str) and user:
+        key, source = "u:" + user, "user"
+    elif first_user is not None:
+        key, source = "p:" + _md5_16(first_user.encode()[:KEY_BYTES]), "prefix"
+    elif hashes:
+        key, source = "p:" + hashes[min(len(hashes), KEY_CHUNKS) - 1], "prefix"
+    elif data:
+        key, source = "p:" + _md5_16(data), "prefix"
+    model = body.get("model")
+    mt = body.get("max_completion_tokens", body.get("max_tokens"))
+    return Features(
+        model=model if isinstance(model, str) and model else None,
+        key=key,
+        key_source=source,
+        hashes=tuple(hashes),
+        prompt_bytes=len(data),
+        max_tokens=mt if isinstance(mt, int) and not isinstance(mt, bool) else None,
+    )

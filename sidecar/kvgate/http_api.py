@@ -1,0 +1,158 @@
+"""The sidecar's loopback HTTP API: backends, models, health, metrics, admin and a body-level decide.
+
+Admin routes need ``Authorization: Bearer <listen.admin_token>``; without a configured token they are
+disabled (403), never open.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvgate import features as feats
+from kvgate.config import BackendSpec, Config, ConfigError
+from kvgate.membership import Membership
+from kvgate.metrics import SidecarMetrics
+from kvgate.registry import Registry
+from kvgate.service import DecisionService, UnknownModel
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str, typ: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": typ, "param": None, "code": status}},
+                             status=status)  # fmt: skip
+
+
+class HttpApi:
+    def __init__(self, config: Config, registry: Registry, membership: Membership, service: DecisionService,
+                 metrics: SidecarMetrics, reload: Callable[[], Awaitable[None]]) -> None:  # fmt: skip
+        self.config = config
+        self.registry = registry
+        self.membership = membership
+        self.service = service
+        self.metrics = metrics
+        self.reload = reload
+
+    def routes(self, app: web.Application) -> None:
+        r = app.router
+        r.add_get("/healthz", self.healthz)
+        r.add_get("/metrics", self.prom)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/v1/backends", self.backends)
+        r.add_get("/peers", self.peers)
+        r.add_post("/v1/decide", self.decide)
+        r.add_post("/admin/backends", self._admin(self.add_backend))
+        r.add_post("/admin/backends/{id}/drain", self._admin(self.drain))
+        r.add_post("/admin/backends/{id}/undrain", self._admin(self.undrain))
+        r.add_delete("/admin/backends/{id}", self._admin(self.remove_backend))
+        r.add_post("/admin/reload", self._admin(self.admin_reload))
+        r.add_get("/debug/decisions", self._admin(self.recent))
+
+    def _admin(self, handler: Handler) -> Handler:
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            token = self.config.listen.admin_token
+            if not token:
+                return _error(403, "admin API disabled: set listen.admin_token or KVGATE_ADMIN_TOKEN",
+                              "permission_error")  # fmt: skip
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return _error(401, "missing or wrong bearer token", "authentication_error")
+            return await handler(request)
+
+        return guarded
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        eligible = sum(1 for s in self.registry.backends.values() if s.eligible)
+        body = {"status": "ok" if eligible else "degraded", "eligible_backends": eligible,
+                "redis": "ok" if self.service.sessions.redis_ok else "down"}  # fmt: skip
+        return web.json_response(body, status=200)
+
+    async def prom(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        for bid, s in self.registry.backends.items():
+            load = self.registry.load_of(s, now, 0.0)
+            self.metrics.backend_load.labels(bid).set(load.requests)
+            self.metrics.backend_inflight.labels(bid).set(s.inflight)
+            if s.scraped is not None:
+                self.metrics.scrape_age.labels(bid).set(now - s.scraped.at)
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})  # fmt: skip
+
+    async def models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "vllm"} for m in self.registry.models()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def backends(self, request: web.Request) -> web.Response:
+        return web.json_response({"backends": self.registry.describe(time.monotonic()),
+                                  "peers_version": self.registry.peers_version})  # fmt: skip
+
+    async def peers(self, request: web.Request) -> web.Response:
+        return web.json_response(self.registry.peers())
+
+    async def decide(self, request: web.Request) -> web.Response:
+        """Decide for a whole request body (clients other than Nginx, tests, dry runs)."""
+        try:
+            data = await request.json()
+        except ValueError:
+            return _error(400, "body must be JSON: {\"body\": {...}, \"headers\": {...}}")
+        if not isinstance(data, dict) or not isinstance(data.get("body"), dict):
+            return _error(400, "body must be JSON: {\"body\": {...}, \"headers\": {...}}")
+        headers = data.get("headers") if isinstance(data.get("headers"), dict) else {}
+        f = feats.extract(data["body"], headers, self.config.routing.session_header)
+        try:
+            return web.json_response(await self.service.decide(f))
+        except UnknownModel as exc:
+            return _error(404, f"The model `{exc}` does not exist.", "NotFoundError")
+
+    async def _json_body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            data = await request.json()
+        except ValueError:
+            raise web.HTTPBadRequest(text="body must be JSON") from None
+        if not isinstance(data, dict):
+            raise web.HTTPBadRequest(text="body must be a JSON object")
+        return data
+
+    async def add_backend(self, request: web.Request) -> web.Response:
+        try:
+            spec = BackendSpec.from_mapping(await self._json_body(request), "backend")
+        except ConfigError as exc:
+            return _error(400, str(exc))
+        await self.membership.put(spec, False)
+        return web.json_response({"added": spec.id}, status=201)
+
+    async def _set_drain(self, request: web.Request, draining: bool) -> web.Response:
+        bid = request.match_info["id"]
+        entry = self.membership.local.get(bid)
+        if entry is None:
+            return _error(404, f"no backend {bid!r}")
+        await self.membership.put(entry[0], draining)
+        return web.json_response({"id": bid, "draining": draining})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        return await self._set_drain(request, True)
+
+    async def undrain(self, request: web.Request) -> web.Response:
+        return await self._set_drain(request, False)
+
+    async def remove_backend(self, request: web.Request) -> web.Response:
+        bid = request.match_info["id"]
+        if not await self.membership.remove(bid):
+            return _error(404, f"no backend {bid!r}")
+        return web.json_response({"removed": bid})
+
+    async def admin_reload(self, request: web.Request) -> web.Response:
+        try:
+            await self.reload()
+        except ConfigError as exc:
+            return _error(400, f"reload failed, keeping the running config: {exc}")
+        return web.json_response({"reloaded": True, "backends": sorted(self.registry.backends)})
+
+    async def recent(self, request: web.Request) -> web.Response:
+        return web.json_response({"decisions": list(self.service.recent)})

@@ -1,0 +1,151 @@
+"""Backend membership shared through Redis, so every sidecar routes over the same set of backends.
+
+Redis holds a hash ``<prefix>:backends`` (id -> JSON spec with its drain flag) and a version counter
+``<prefix>:backends:v``. Writers (admin API, config reload) update both; every sidecar polls the counter
+each ``membership_refresh`` and reloads the hash when it moved, so replicas converge within one refresh
+interval. Without Redis, the sidecar keeps the membership it has and applies local changes alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from kvgate.config import BackendSpec, ConfigError
+from kvgate.metrics import SidecarMetrics
+from kvgate.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+
+def _encode(spec: BackendSpec, draining: bool) -> str:
+    return json.dumps({"id": spec.id, "url": spec.url, "weight": spec.weight, "labels": dict(spec.labels),
+                       "draining": draining}, sort_keys=True)  # fmt: skip
+
+
+def _decode(raw: str | bytes) -> tuple[BackendSpec, bool]:
+    data = json.loads(raw)
+    draining = bool(data.pop("draining", False))
+    return BackendSpec.from_mapping(data, "redis backend"), draining
+
+
+class Membership:
+    def __init__(self, client: aioredis.Redis | None, prefix: str, registry: Registry,
+                 metrics: SidecarMetrics) -> None:  # fmt: skip
+        self.client = client
+        self.hash_key = f"{prefix}:backends"
+        self.version_key = f"{prefix}:backends:v"
+        self.registry = registry
+        self.metrics = metrics
+        self.local: dict[str, tuple[BackendSpec, bool]] = {}
+        self.version: int | None = None
+
+    def _apply(self) -> None:
+        self.registry.set_membership(self.local.values())
+
+    async def seed(self, specs: Iterable[BackendSpec]) -> None:
+        """Start from the config's backends, joining what other sidecars already registered."""
+        for spec in specs:
+            self.local.setdefault(spec.id, (spec, False))
+        self._apply()
+        if self.client is None:
+            return
+        try:
+            added = 0
+            for spec, draining in self.local.values():
+                added += int(await self.client.hsetnx(self.hash_key, spec.id, _encode(spec, draining)))
+            if added:
+                await self.client.incr(self.version_key)
+            await self.refresh()
+        except (RedisError, OSError) as exc:
+            self._failed("seed", exc)
+
+    def _failed(self, op: str, exc: Exception) -> None:
+        self.metrics.redis_errors.labels(f"membership_{op}").inc()
+        logger.debug("membership %s failed: %s", op, exc)
+
+    async def refresh(self) -> None:
+        if self.client is None:
+            return
+        try:
+            raw_version = await self.client.get(self.version_key)
+            if raw_version is None and self.local:
+                # Redis lost its data (a restart without persistence): publish what we route over
+                # rather than adopt an empty membership.
+                await self._publish()
+                return
+            version = int(raw_version or 0)
+            if version == self.version:
+                return
+            entries = await self.client.hgetall(self.hash_key)
+        except (RedisError, OSError) as exc:
+            self._failed("refresh", exc)
+            return
+        fresh: dict[str, tuple[BackendSpec, bool]] = {}
+        for raw in entries.values():
+            try:
+                spec, draining = _decode(raw)
+            except (ValueError, ConfigError) as exc:
+                logger.warning("ignoring a malformed backend entry in Redis: %s", exc)
+                continue
+            fresh[spec.id] = (spec, draining)
+        self.local = fresh
+        self.version = version
+        self._apply()
+
+    async def _publish(self) -> None:
+        assert self.client is not None
+        async with self.client.pipeline(transaction=True) as pipe:
+            for spec, draining in self.local.values():
+                pipe.hsetnx(self.hash_key, spec.id, _encode(spec, draining))
+            pipe.incr(self.version_key)
+            await pipe.execute()
+        logger.warning("membership was missing from Redis; republished %d backend(s)", len(self.local))
+        self.version = None  # adopt the merged view on the next refresh
+
+    async def put(self, spec: BackendSpec, draining: bool = False) -> None:
+        self.local[spec.id] = (spec, draining)
+        self._apply()
+        await self._write(lambda p: p.hset(self.hash_key, spec.id, _encode(spec, draining)))
+
+    async def remove(self, bid: str) -> bool:
+        if self.local.pop(bid, None) is None:
+            return False
+        self._apply()
+        await self._write(lambda p: p.hdel(self.hash_key, bid))
+        return True
+
+    async def replace(self, specs: Iterable[BackendSpec]) -> None:
+        """Config reload: exactly these backends, keeping the drain flag of those that stay."""
+        new = {s.id: (s, self.local.get(s.id, (s, False))[1]) for s in specs}
+        gone = [b for b in self.local if b not in new]
+        self.local = new
+        self._apply()
+        if self.client is None:
+            return
+        try:
+            async with self.client.pipeline(transaction=True) as pipe:
+                if gone:
+                    pipe.hdel(self.hash_key, *gone)
+                for spec, draining in new.values():
+                    pipe.hset(self.hash_key, spec.id, _encode(spec, draining))
+                pipe.incr(self.version_key)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self._failed("replace", exc)
+
+    async def _write(self, op: object) -> None:
+        if self.client is None:
+            return
+        try:
+            async with self.client.pipeline(transaction=True) as pipe:
+                op(pipe)  # type: ignore[operator]
+                pipe.incr(self.version_key)
+                results = await pipe.execute()
+            self.version = int(results[-1])
+        except (RedisError, OSError) as exc:
+            self._failed("write", exc)

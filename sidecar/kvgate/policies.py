@@ -1,0 +1,200 @@
+"""Routing policies: pure functions of (request, cluster snapshot) with no I/O.
+
+The decision service looks up what a policy needs (the session binding from Redis, the prefix index's
+matches), calls the policy, then performs the writes the decision asks for. The benchmark calls the same
+functions in virtual time. Every policy returns an ordered candidate list (primary, then distinct
+fallbacks) and a short reason code that Nginx puts in ``X-Kvgate-Route``.
+
+``kvgate`` (the default) combines three signals, in order:
+
+1. **session**: the key's bound backend, while it is eligible, not saturated and under its load bound
+   (sticky until saturated);
+2. **prefix**: else the backend that probably holds the longest prefix of this prompt beyond the part
+   many requests share (a common system prompt is no signal), if the node is under its load bound;
+3. **ring**: else the key's owner on the consistent-hash ring, walking clockwise past nodes above
+   ``c x`` their weighted fair share (bounded loads), so hot keys spill over instead of piling up.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvgate.features import Features
+from kvgate.load import LoadView
+from kvgate.ring import Ring
+
+
+class PolicyName(str, Enum):
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    LEAST_LOAD = "least_load"
+    CONSISTENT_HASH = "consistent_hash"
+    PREFIX = "prefix"
+    KVGATE = "kvgate"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    id: str
+    weight: float
+    load: LoadView
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The backends eligible for one request (healthy, not draining, serving its model)."""
+
+    nodes: Mapping[str, NodeView]
+    ring: Ring
+    load_factor: float = 1.25
+    saturation_waiting: int = 8
+    saturation_kv: float = 0.95
+
+    def walk(self, key: str) -> list[str]:
+        """Eligible nodes in ring order from ``key`` (the ring spans every backend of every model)."""
+        return [n for n in self.ring.walk(key) if n in self.nodes]
+
+    def saturated(self, node: str) -> bool:
+        return self.nodes[node].load.saturated(self.saturation_waiting, self.saturation_kv)
+
+    def bound_admits(self) -> Callable[[str], bool]:
+        """Bounded-load test: a node may take one more request while under c x its fair share."""
+        total = sum(n.load.requests for n in self.nodes.values())
+        weights = sum(n.weight for n in self.nodes.values()) or 1.0
+        c = self.load_factor
+
+        def admits(node: str) -> bool:
+            v = self.nodes[node]
+            cap = math.ceil(c * (total + 1) * v.weight / weights)
+            return v.load.requests + 1 <= cap and not self.saturated(node)
+
+        return admits
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    features: Features
+    seq: int  # decision sequence number: drives round robin and random
+    bound: str | None = None  # the session key's current binding, if any
+    prefix_depth: Mapping[str, int] = field(default_factory=dict)  # prefix-index matches
+    shared_depth: int = 0  # leading chunks common to many requests (a system prompt)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    candidates: tuple[str, ...]
+    reason: str
+    bind: str | None = None  # "bind" | "rebind" | None: what to record for the session key
+
+
+def _ring_key(req: Request) -> str:
+    f = req.features
+    if f.key:
+        return f.key
+    if f.hashes:
+        return f.hashes[0]
+    return f"seq:{req.seq}"
+
+
+def _with_fallbacks(primary: list[str], rest: list[str], limit: int) -> tuple[str, ...]:
+    out: list[str] = []
+    for n in primary + rest:
+        if n not in out:
+            out.append(n)
+        if len(out) == limit:
+            break
+    return tuple(out)
+
+
+def _load_order(snap: Snapshot) -> list[str]:
+    return sorted(snap.nodes, key=lambda n: (snap.nodes[n].load.requests / snap.nodes[n].weight,
+                                             snap.nodes[n].load.inflight_tokens, n))  # fmt: skip
+
+
+def round_robin(req: Request, snap: Snapshot, limit: int) -> Decision:
+    order = sorted(snap.nodes)
+    i = req.seq % len(order)
+    return Decision(tuple((order[i:] + order[:i])[:limit]), "round_robin")
+
+
+def random_pick(req: Request, snap: Snapshot, limit: int) -> Decision:
+    order = sorted(snap.nodes)
+    random.Random(req.seq).shuffle(order)
+    return Decision(tuple(order[:limit]), "random")
+
+
+def least_load(req: Request, snap: Snapshot, limit: int) -> Decision:
+    return Decision(tuple(_load_order(snap)[:limit]), "least_load")
+
+
+def consistent_hash(req: Request, snap: Snapshot, limit: int) -> Decision:
+    return Decision(tuple(snap.walk(_ring_key(req))[:limit]), "ring")
+
+
+def _best_prefix(req: Request, snap: Snapshot, admits: Callable[[str], bool]) -> list[str]:
+    """Under-bound nodes holding the deepest prefix, unless every node holds that depth."""
+    # Only depth beyond the widely shared part says where *this* conversation's cache sits.
+    depths = {n: d for n, d in req.prefix_depth.items() if n in snap.nodes and d > req.shared_depth}
+    if not depths:
+        return []
+    best = max(depths.values())
+    holders = [n for n, d in depths.items() if d == best]
+    if len(holders) == len(snap.nodes) and len(snap.nodes) > 1:
+        return []  # the shared part of every prompt (a system prompt): no signal
+    ok = [n for n in holders if admits(n)]
+    if not ok:
+        return []
+    ring_rank = {n: i for i, n in enumerate(snap.walk(_ring_key(req)))}
+    return sorted(ok, key=lambda n: ring_rank.get(n, len(ring_rank)))
+
+
+def prefix(req: Request, snap: Snapshot, limit: int) -> Decision:
+    best = _best_prefix(req, snap, lambda n: not snap.saturated(n))
+    if best:
+        return Decision(_with_fallbacks(best, _load_order(snap), limit), "prefix")
+    return Decision(tuple(_load_order(snap)[:limit]), "least_load")
+
+
+def kvgate(req: Request, snap: Snapshot, limit: int) -> Decision:
+    admits = snap.bound_admits()
+    key = _ring_key(req)
+    order = snap.walk(key)
+    walk = [n for n in order if admits(n)] + [n for n in order if not admits(n)]
+    has_key = req.features.key is not None
+    bound = req.bound
+    # Sticky until saturated: a bound session stays put unless its node queues or runs out of KV
+    # cache; the fair-share bound only steers where new keys land.
+    if bound is not None and bound in snap.nodes and not snap.saturated(bound):
+        return Decision(_with_fallbacks([bound], walk, limit), "session")
+    rebinding = bound is not None
+    why = ""
+    if rebinding:
+        why = "-gone" if bound not in snap.nodes else "-saturated"
+    best = _best_prefix(req, snap, admits)
+    if best:
+        reason, primary = "prefix", best
+    else:
+        reason = "ring" if walk and walk[0] == order[0] else "ring-bounded"
+        primary = walk[:1]
+    action = ("rebind" if rebinding else "bind") if has_key else None
+    return Decision(_with_fallbacks(primary, walk, limit), reason + (f"/rebind{why}" if rebinding else ""), action)
+
+
+POLICIES: dict[PolicyName, Callable[[Request, Snapshot, int], Decision]] = {
+    PolicyName.ROUND_ROBIN: round_robin,
+    PolicyName.RANDOM: random_pick,
+    PolicyName.LEAST_LOAD: least_load,
+    PolicyName.CONSISTENT_HASH: consistent_hash,
+    PolicyName.PREFIX: prefix,
+    PolicyName.KVGATE: kvgate,
+}
+
+
+def decide(name: PolicyName, req: Request, snap: Snapshot, limit: int) -> Decision:
+    if not snap.nodes:
+        return Decision((), "no_backend")
+    return POLICIES[name](req, snap, limit)

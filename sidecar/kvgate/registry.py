@@ -1,0 +1,203 @@
+"""Backend registry: membership, health, drain state, served models, load and in-flight accounting.
+
+State changes come from the control loops (scrapes, membership sync, admin calls) and from outcome
+reports; the decision path only reads. The ring is rebuilt, and the fail-open peer list re-versioned,
+only when the set of eligible backends changes, never per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvgate.config import BackendSpec, RoutingConfig, ScrapeConfig
+from kvgate.load import LoadView, Scraped, spare_capacity, view
+from kvgate.metrics import SidecarMetrics
+from kvgate.policies import NodeView, Snapshot
+from kvgate.ring import Ring
+
+logger = logging.getLogger(__name__)
+INFLIGHT_EXPIRY_S = 600.0  # a decision never reported (gateway crash) stops counting after this
+
+
+@dataclass(slots=True)
+class BackendState:
+    spec: BackendSpec
+    draining: bool = False
+    healthy: bool = True  # optimistic until the first failed checks
+    fails: int = 0
+    oks: int = 0
+    models: frozenset[str] = frozenset()
+    scraped: Scraped | None = None
+    last_error: str | None = None
+    inflight: int = 0
+    inflight_tokens: int = 0
+    ttft_ewma: float | None = None
+    errors: int = 0
+
+    @property
+    def eligible(self) -> bool:
+        return self.healthy and not self.draining
+
+
+@dataclass(slots=True)
+class _Inflight:
+    backend: str
+    tokens: int
+    at: float
+
+
+@dataclass(slots=True)
+class Registry:
+    scrape: ScrapeConfig
+    routing: RoutingConfig
+    metrics: SidecarMetrics
+    backends: dict[str, BackendState] = field(default_factory=dict)
+    ring: Ring = field(default_factory=lambda: Ring({}))
+    peers_version: int = 0
+    _eligible_key: tuple[str, ...] = ()
+    _weights: dict[str, float] = field(default_factory=dict)
+    _inflight: dict[int, _Inflight] = field(default_factory=dict)
+
+    # -- membership ---------------------------------------------------------------------------------
+    def set_membership(self, specs: Iterable[tuple[BackendSpec, bool]]) -> bool:
+        """Make the registry hold exactly these backends (spec, draining); True when anything changed."""
+        wanted = {spec.id: (spec, draining) for spec, draining in specs}
+        changed = False
+        for bid in list(self.backends):
+            if bid not in wanted:
+                del self.backends[bid]
+                changed = True
+        for bid, (spec, draining) in wanted.items():
+            state = self.backends.get(bid)
+            if state is None:
+                self.backends[bid] = BackendState(spec=spec, draining=draining)
+                changed = True
+            elif state.spec != spec or state.draining != draining:
+                state.spec, state.draining = spec, draining
+                changed = True
+        if changed:
+            self._rebuild()
+        return changed
+
+    def _rebuild(self) -> None:
+        eligible = tuple(sorted(b for b, s in self.backends.items() if s.eligible))
+        weights = {b: s.spec.weight for b, s in self.backends.items() if s.eligible}
+        if eligible != self._eligible_key or weights != self._weights:
+            self.ring = Ring(weights, self.routing.vnodes)
+            self._eligible_key = eligible
+            self._weights = weights
+            self.peers_version += 1
+            self.metrics.ring_rebuilds.inc()
+            logger.info("ring rebuilt over %d backend(s): %s (peers v%d)", len(eligible), ", ".join(eligible),
+                        self.peers_version)  # fmt: skip
+        for bid, s in self.backends.items():
+            self.metrics.backend_healthy.labels(bid).set(1.0 if s.eligible else 0.0)
+
+    # -- health -------------------------------------------------------------------------------------
+    def scrape_ok(self, bid: str, scraped: Scraped) -> None:
+        s = self.backends.get(bid)
+        if s is None:
+            return
+        s.scraped, s.last_error = scraped, None
+        s.fails, s.oks = 0, s.oks + 1
+        if not s.healthy and s.oks >= self.scrape.healthy_after:
+            s.healthy = True
+            logger.warning("backend %s is healthy again", bid)
+            self._rebuild()
+
+    def failure(self, bid: str, error: str) -> None:
+        """A failed scrape or health check, or a connection failure Nginx reported."""
+        s = self.backends.get(bid)
+        if s is None:
+            return
+        s.last_error = error
+        s.oks, s.fails = 0, s.fails + 1
+        self.metrics.scrape_errors.labels(bid).inc()
+        if s.healthy and s.fails >= self.scrape.unhealthy_after:
+            s.healthy = False
+            logger.warning("backend %s marked unhealthy after %d failures: %s", bid, s.fails, error)
+            self._rebuild()
+
+    # -- load ---------------------------------------------------------------------------------------
+    def load_of(self, s: BackendState, now: float, unknown: float) -> LoadView:
+        return view(s.scraped, s.inflight, s.inflight_tokens, now, self.scrape.stale_after_s, unknown)
+
+    def snapshot(self, model: str | None, now: float | None = None) -> Snapshot:
+        now = time.monotonic() if now is None else now
+        chosen = [s for s in self.backends.values() if s.eligible and (model is None or not s.models
+                                                                        or model in s.models)]  # fmt: skip
+        known = [s.scraped.running + s.scraped.waiting for s in chosen
+                 if s.scraped is not None and now - s.scraped.at <= self.scrape.stale_after_s]  # fmt: skip
+        unknown = max(known) if known else 0.0  # pessimistic stand-in for stale stats
+        nodes = {s.spec.id: NodeView(s.spec.id, s.spec.weight, self.load_of(s, now, unknown)) for s in chosen}
+        r = self.routing
+        return Snapshot(nodes, self.ring, r.load_factor, r.saturation_waiting, r.saturation_kv)
+
+    def serves(self, model: str) -> bool | None:
+        """True/False once models are known; None while no backend has answered /v1/models yet."""
+        known = [s for s in self.backends.values() if s.models]
+        if not known:
+            return None
+        return any(model in s.models for s in known)
+
+    def models(self) -> list[str]:
+        return sorted({m for s in self.backends.values() if s.eligible for m in s.models})
+
+    def peers(self) -> dict[str, object]:
+        eligible = [s for s in self.backends.values() if s.eligible]
+        return {"v": self.peers_version,
+                "peers": [{"id": s.spec.id, "addr": s.spec.address} for s in sorted(eligible, key=lambda x: x.spec.id)]}  # fmt: skip
+
+    def address(self, bid: str) -> str:
+        return self.backends[bid].spec.address
+
+    # -- in-flight accounting -------------------------------------------------------------------------
+    def start(self, decision_id: int, bid: str, tokens: int, now: float) -> None:
+        s = self.backends.get(bid)
+        if s is None:
+            return
+        s.inflight += 1
+        s.inflight_tokens += tokens
+        self._inflight[decision_id] = _Inflight(bid, tokens, now)
+
+    def finish(self, decision_id: int) -> None:
+        entry = self._inflight.pop(decision_id, None)
+        if entry is None:
+            return
+        s = self.backends.get(entry.backend)
+        if s is not None:
+            s.inflight = max(0, s.inflight - 1)
+            s.inflight_tokens = max(0, s.inflight_tokens - entry.tokens)
+
+    def expire_inflight(self, now: float) -> None:
+        for did in [d for d, e in self._inflight.items() if now - e.at > INFLIGHT_EXPIRY_S]:
+            self.finish(did)
+
+    def outcome(self, bid: str, status: int, ttft: float | None) -> None:
+        s = self.backends.get(bid)
+        if s is None:
+            return
+        if ttft is not None and ttft > 0:
+            s.ttft_ewma = ttft if s.ttft_ewma is None else 0.8 * s.ttft_ewma + 0.2 * ttft
+        if status >= 500 or status == 0:
+            s.errors += 1
+
+    def describe(self, now: float) -> list[dict[str, object]]:
+        out = []
+        for bid in sorted(self.backends):
+            s = self.backends[bid]
+            load = self.load_of(s, now, 0.0)
+            out.append({
+                "id": bid, "url": s.spec.url, "weight": s.spec.weight, "labels": dict(s.spec.labels),
+                "state": "draining" if s.draining else ("healthy" if s.healthy else "unhealthy"),
+                "models": sorted(s.models), "inflight": s.inflight, "inflight_tokens": s.inflight_tokens,
+                "load": {"known": load.known, "requests": load.requests, "waiting": load.waiting,
+                         "kv_usage": None if not load.known else load.kv_usage},
+                "spare_capacity": spare_capacity(s.spec.weight, load),
+                "scrape_age_s": None if s.scraped is None else round(now - s.scraped.at, 3),
+                "ttft_ewma_s": s.ttft_ewma, "errors": s.errors, "last_error": s.last_error,
+            })  # fmt: skip
+        return out

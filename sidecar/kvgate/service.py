@@ -1,0 +1,129 @@
+"""The decision service: gathers what a policy needs, calls it, and records what it decided.
+
+One ``decide`` costs: one Redis round trip at most for keyed requests under the ``kvgate`` policy
+(GETEX, plus SET NX on a first binding), a walk of the prefix index over the request's chunk hashes,
+and the pure policy. Everything else (scraping, membership, ring builds) happens in the control loops.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.config import Config
+from kvgate.features import CHUNK_BYTES, Features
+from kvgate.metrics import SidecarMetrics
+from kvgate.policies import Decision, PolicyName, Request, decide
+from kvgate.prefix_index import PrefixIndex
+from kvgate.registry import Registry
+from kvgate.sessions import SessionStore
+
+logger = logging.getLogger(__name__)
+TOKENS_PER_CHUNK = CHUNK_BYTES // 4
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    decision_id: int
+    backend: str
+    status: int  # 0 when no response came back (connection failure)
+    ttft: float | None
+    sent: bool  # whether response bytes reached the client
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Outcome:
+        ttft = d.get("t")
+        return cls(int(d.get("i") or 0), str(d.get("b") or ""), int(d.get("s") or 0),
+                   float(ttft) if isinstance(ttft, int | float) else None, bool(d.get("x")))  # fmt: skip
+
+
+class UnknownModel(Exception):
+    pass
+
+
+class DecisionService:
+    def __init__(self, config: Config, registry: Registry, sessions: SessionStore, index: PrefixIndex,
+                 metrics: SidecarMetrics) -> None:  # fmt: skip
+        self.config = config
+        self.registry = registry
+        self.sessions = sessions
+        self.index = index
+        self.metrics = metrics
+        self._seq = itertools.count(1)
+        self.recent: deque[dict[str, Any]] = deque(maxlen=256)  # for GET /debug/decisions
+
+    def policy_for(self, model: str | None) -> PolicyName:
+        r = self.config.routing
+        return r.per_model.get(model, r.policy) if model else r.policy
+
+    async def decide(self, f: Features) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        if f.model is not None and self.registry.serves(f.model) is False:
+            self.metrics.unknown_model.inc()
+            raise UnknownModel(f.model)
+        seq = next(self._seq)
+        policy = self.policy_for(f.model)
+        snap = self.registry.snapshot(f.model)
+        bound = None
+        if policy is PolicyName.KVGATE and f.key and snap.nodes:
+            bound = await self.sessions.get(f.key)
+        depth: dict[str, int] = {}
+        shared = 0
+        if policy in (PolicyName.KVGATE, PolicyName.PREFIX) and f.hashes and snap.nodes:
+            match = self.index.match(f.hashes, snap.nodes)
+            depth, shared = match.depth, match.shared
+        req = Request(f, seq, bound, depth, shared)
+        decision = decide(policy, req, snap, self.config.routing.max_candidates)
+        if not decision.candidates:
+            self.metrics.no_backend.inc()
+            return {"i": seq, "c": [], "a": [], "r": "no_backend", "v": self.registry.peers_version}
+        decision = await self._record_session(f, decision, bound, snap.nodes)
+        primary = decision.candidates[0]
+        if f.hashes and policy in (PolicyName.KVGATE, PolicyName.PREFIX):
+            self.index.record(f.hashes, primary)
+        uncached = max(0, f.est_tokens - depth.get(primary, 0) * TOKENS_PER_CHUNK)
+        self.registry.start(seq, primary, uncached, time.monotonic())
+        self.metrics.decisions.labels(policy.value, decision.reason).inc()
+        self.metrics.decision_latency.observe(time.perf_counter() - t0)
+        out = {"i": seq, "c": list(decision.candidates),
+               "a": [self.registry.address(b) for b in decision.candidates],
+               "r": decision.reason, "k": f.key, "v": self.registry.peers_version}  # fmt: skip
+        self.recent.append({**out, "ks": f.key_source, "m": f.model, "h": list(f.hashes[:64]),
+                            "nh": len(f.hashes), "b": f.prompt_bytes, "p": policy.value})  # fmt: skip
+        return out
+
+    async def _record_session(self, f: Features, d: Decision, bound: str | None,
+                              eligible: Any) -> Decision:  # fmt: skip
+        if f.key is None:
+            return d
+        if d.reason == "session":
+            self.metrics.affinity.labels("hit").inc()
+            return d
+        if d.bind == "rebind":
+            self.metrics.affinity.labels("rebind").inc()
+            await self.sessions.rebind(f.key, d.candidates[0])
+            logger.debug("rebound %s from %s to %s (%s)", f.key, bound, d.candidates[0], d.reason)
+        elif d.bind == "bind":
+            self.metrics.affinity.labels("miss").inc()
+            winner = await self.sessions.bind(f.key, d.candidates[0])
+            if winner != d.candidates[0] and winner in eligible:
+                # Another replica bound this session a moment ago: follow its choice.
+                rest = tuple(c for c in d.candidates if c != winner)
+                return Decision((winner, *rest)[: len(d.candidates)], "session", None)
+        return d
+
+    def report(self, outcomes: list[Outcome]) -> None:
+        for o in outcomes:
+            self.registry.finish(o.decision_id)
+            if not o.backend:
+                continue
+            self.registry.outcome(o.backend, o.status, o.ttft)
+            self.metrics.outcomes.labels(o.backend, str(o.status)).inc()
+            if o.ttft is not None:
+                self.metrics.ttft.observe(o.ttft)
+            if o.status in (0, 502, 504) and not o.sent:
+                self.registry.failure(o.backend, f"gateway saw status {o.status}")

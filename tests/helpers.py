@@ -1,0 +1,96 @@
+"""Test helpers that talk to a running sidecar the way Nginx does."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from kvgate.features import extract
+from kvgate.stack import Stack, free_port
+from tests.conftest import MODEL, free_ports, http_json, wait_until
+
+
+class DecisionClient:
+    """Line-protocol client on the sidecar's unix socket (what lua/kvgate/sidecar.lua speaks)."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(5)
+        self.sock.connect(str(path))
+        self.file = self.sock.makefile("rwb")
+
+    def call(self, msg: dict[str, Any], reply: bool = True) -> Any:
+        self.file.write(json.dumps(msg).encode() + b"\n")
+        self.file.flush()
+        return json.loads(self.file.readline()) if reply else None
+
+    def decide_body(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
+        f = extract(body, headers)
+        wire = {"m": f.model, "k": f.key, "ks": f.key_source, "h": list(f.hashes), "b": f.prompt_bytes}
+        return dict(self.call({"op": "decide", "f": wire}))
+
+    def finish(self, decision: dict[str, Any], status: int = 200) -> None:
+        self.call({"op": "report", "o": [{"i": decision["i"], "b": decision["c"][0], "s": status, "x": True}]},
+                  reply=False)  # fmt: skip
+
+    def close(self) -> None:
+        self.file.close()
+        self.sock.close()
+
+
+def sidecar_config(socket_path: Path, http_port: int, redis_port: int | None, sim_port: int, n: int,
+                   **routing: Any) -> dict[str, Any]:  # fmt: skip
+    return {
+        "listen": {"socket": str(socket_path), "http_port": http_port, "admin_token": "test-token"},
+        "redis": {"url": None if redis_port is None else f"redis://127.0.0.1:{redis_port}/0",
+                  "retry_after_ms": 200},  # fmt: skip
+        "scrape": {"interval_ms": 100, "timeout_ms": 80, "stale_after_ms": 1000, "unhealthy_after": 2,
+                   "healthy_after": 2, "membership_refresh_ms": 200},  # fmt: skip
+        "routing": routing,
+        "backends": [{"id": f"sim-{i}", "url": f"http://127.0.0.1:{sim_port + i}"} for i in range(n)],
+    }
+
+
+class Sidecar:
+    """One sidecar process of a test stack, with its socket path and HTTP base URL."""
+
+    def __init__(self, stack: Stack, name: str, redis_port: int | None, sim_port: int, n: int,
+                 **routing: Any) -> None:  # fmt: skip
+        self.stack = stack
+        self.name = name
+        self.socket = stack.run_dir / f"{name}.sock"
+        self.http_port = free_port()
+        self.http = f"http://127.0.0.1:{self.http_port}"
+        cfg = sidecar_config(self.socket, self.http_port, redis_port, sim_port, n, **routing)
+        self.config_path = stack.write_sidecar_config(cfg, name)
+        self.start()
+
+    def start(self) -> None:
+        self.stack.start_sidecar(self.config_path, self.socket, self.name)
+        wait_until(lambda: http_json("GET", self.http + "/healthz")[0] == 200, timeout=10)
+
+    def client(self) -> DecisionClient:
+        return DecisionClient(self.socket)
+
+    def backends(self) -> dict[str, dict[str, Any]]:
+        return {b["id"]: b for b in http_json("GET", self.http + "/v1/backends")[1]["backends"]}
+
+    def admin(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        return http_json(method, self.http + path, body, {"Authorization": "Bearer test-token"})
+
+
+def start_backends(stack: Stack, n: int, *extra: str) -> int:
+    port = free_ports(n)
+    stack.start_sim(port, n, "sim", "--model", MODEL, *extra)
+    return port
+
+
+def chat(conversation: int, turns: int, system: str = "You are a helpful assistant. " * 60) -> dict[str, Any]:
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"conversation {conversation} question {t} " * 20})
+        if t < turns - 1:
+            messages.append({"role": "assistant", "content": f"answer {t} " * 40})
+    return {"model": MODEL, "messages": messages, "max_tokens": 4}

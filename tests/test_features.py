@@ -1,0 +1,46 @@
+import json
+from pathlib import Path
+
+from kvgate.features import CHUNK_BYTES, Features, extract
+
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "features.json").read_text())
+
+
+def test_python_features_match_the_golden_file() -> None:
+    for case in GOLDEN:
+        f = extract(case["body"], case.get("headers"))
+        got = {"k": f.key, "ks": f.key_source, "h": list(f.hashes), "b": f.prompt_bytes, "m": f.model}
+        assert got == case["expected"], case["name"]
+
+
+def test_conversation_keeps_its_derived_key_across_turns() -> None:
+    system = {"role": "system", "content": "shared system prompt " * 100}
+    turn1 = [system, {"role": "user", "content": "plan a trip to Rome"}]
+    turn3 = [*turn1, {"role": "assistant", "content": "sure " * 50}, {"role": "user", "content": "and Naples?"}]
+    a, b = extract({"messages": turn1}), extract({"messages": turn3})
+    assert a.key == b.key and a.key_source == "prefix"
+    assert b.hashes[: len(a.hashes)] == a.hashes  # the grown conversation extends the same chain
+
+
+def test_shared_system_prompt_does_not_collapse_derived_keys() -> None:
+    system = {"role": "system", "content": "shared system prompt " * 100}
+    keys = {extract({"messages": [system, {"role": "user", "content": f"question {i}"}]}).key for i in range(50)}
+    assert len(keys) == 50
+
+
+def test_key_precedence_header_then_user_then_prefix() -> None:
+    body = {"user": "alice", "messages": [{"role": "user", "content": "x"}]}
+    assert extract(body, {"x-session-id": "s1"}).key == "h:s1"
+    assert extract(body).key == "u:alice"
+    assert extract({"messages": [{"role": "user", "content": "x"}]}).key_source == "prefix"
+
+
+def test_only_full_chunks_are_hashed() -> None:
+    f = extract({"prompt": "a" * (CHUNK_BYTES * 3 - 1)})
+    assert len(f.hashes) == 2 and f.est_tokens == (CHUNK_BYTES * 3 - 1) // 4
+
+
+def test_from_wire_reads_the_lua_encoding() -> None:
+    f = Features.from_wire({"m": "x", "k": "p:1", "ks": "prefix", "h": ["a", "b"], "b": 100, "mt": 5})
+    assert (f.model, f.key, f.hashes, f.prompt_bytes, f.max_tokens) == ("x", "p:1", ("a", "b"), 100, 5)
+    assert Features.from_wire({}).key is None

@@ -1,0 +1,99 @@
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvgate.features import Features
+from kvgate.load import LoadView
+from kvgate.policies import NodeView, PolicyName, Request, Snapshot, decide
+from kvgate.ring import Ring
+
+
+def load(requests: float = 0.0, waiting: float = 0.0, kv: float = 0.1, known: bool = True) -> LoadView:
+    return LoadView(requests, int(requests), 0, kv, waiting, known)
+
+
+def snap(loads: dict[str, LoadView], c: float = 1.25) -> Snapshot:
+    nodes = {n: NodeView(n, 1.0, v) for n, v in loads.items()}
+    return Snapshot(nodes, Ring({n: 1.0 for n in loads}), c, 8, 0.95)
+
+
+def feat(key: str | None = None, hashes: tuple[str, ...] = ()) -> Features:
+    return Features("m", key, "header" if key else "none", hashes, 1000)
+
+
+IDLE = {f"b{i}": load() for i in range(4)}
+
+
+def test_round_robin_rotates_and_lists_distinct_fallbacks() -> None:
+    s = snap(IDLE)
+    firsts = [decide(PolicyName.ROUND_ROBIN, Request(feat(), i), s, 3).candidates for i in range(4)]
+    assert [c[0] for c in firsts] == ["b0", "b1", "b2", "b3"]
+    assert all(len(set(c)) == 3 for c in firsts)
+
+
+def test_least_load_prefers_the_emptiest_node() -> None:
+    s = snap({"a": load(5), "b": load(1), "c": load(3)})
+    assert decide(PolicyName.LEAST_LOAD, Request(feat(), 1), s, 3).candidates == ("a", "b", "c")[1:2] + ("c", "a")
+
+
+def test_consistent_hash_is_stable_for_a_key() -> None:
+    s = snap(IDLE)
+    picks = {decide(PolicyName.CONSISTENT_HASH, Request(feat("k1"), i), s, 2).candidates[0] for i in range(10)}
+    assert len(picks) == 1
+
+
+def test_kvgate_keeps_a_bound_session_until_saturated() -> None:
+    s = snap({"a": load(6), "b": load(0), "c": load(0)})
+    d = decide(PolicyName.KVGATE, Request(feat("k"), 1, bound="a"), s, 3)
+    assert d.candidates[0] == "a" and d.reason == "session" and d.bind is None
+    saturated = snap({"a": load(6, waiting=9), "b": load(0), "c": load(0)})
+    d = decide(PolicyName.KVGATE, Request(feat("k"), 1, bound="a"), saturated, 3)
+    assert d.candidates[0] != "a" and d.bind == "rebind" and d.reason.endswith("/rebind-saturated")
+
+
+def test_kvgate_rebinds_when_the_bound_node_is_gone() -> None:
+    d = decide(PolicyName.KVGATE, Request(feat("k"), 1, bound="zz"), snap(IDLE), 3)
+    assert d.bind == "rebind" and d.reason.endswith("/rebind-gone")
+
+
+def test_kvgate_follows_the_deepest_prefix_unless_everyone_has_it() -> None:
+    s = snap(IDLE)
+    d = decide(PolicyName.KVGATE, Request(feat(None, ("h1", "h2", "h3")), 1,
+                                          prefix_depth={"b2": 3, "b0": 1}), s, 3)  # fmt: skip
+    assert d.candidates[0] == "b2" and d.reason == "prefix"
+    everyone = {n: 1 for n in IDLE}
+    d = decide(PolicyName.KVGATE, Request(feat(None, ("h1",)), 1, prefix_depth=everyone), s, 3)
+    assert d.reason.startswith("ring")
+    shared_only = Request(feat(None, ("s1", "s2", "c")), 1, prefix_depth={"b1": 2}, shared_depth=2)
+    assert decide(PolicyName.KVGATE, shared_only, s, 3).reason.startswith("ring")
+
+
+def test_kvgate_skips_a_prefix_holder_over_its_load_bound() -> None:
+    s = snap({"a": load(10), "b": load(1), "c": load(1)})
+    d = decide(PolicyName.KVGATE, Request(feat("k", ("h1",)), 1, prefix_depth={"a": 1}), s, 3)
+    assert d.candidates[0] != "a"
+
+
+def test_no_backend_gives_an_empty_decision() -> None:
+    d = decide(PolicyName.KVGATE, Request(feat("k"), 1), snap({}), 3)
+    assert d.candidates == () and d.reason == "no_backend"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(min_value=2, max_value=8), st.integers(min_value=20, max_value=300),
+       st.floats(min_value=1.1, max_value=2.0))  # fmt: skip
+def test_bounded_walk_never_puts_a_node_above_the_bound(n: int, requests: int, c: float) -> None:
+    """Routing new keys one by one, every node stays within ceil(c * (total + 1) / n) requests."""
+    import math
+
+    counts: Counter[str] = Counter({f"n{i}": 0 for i in range(n)})
+    ring = Ring({f"n{i}": 1.0 for i in range(n)})
+    for i in range(requests):
+        nodes = {k: NodeView(k, 1.0, load(float(v))) for k, v in counts.items()}
+        s = Snapshot(nodes, ring, c, 10**9, 1.0)
+        d = decide(PolicyName.KVGATE, Request(feat(f"key-{i % 7}"), i), s, 3)  # few hot keys
+        total = sum(counts.values())
+        bound = math.ceil(c * (total + 1) / n)
+        counts[d.candidates[0]] += 1
+        assert counts[d.candidates[0]] <= bound
