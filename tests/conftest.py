@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from kvgate.stack import Stack, free_port
 
 MODEL = "sim-model"
@@ -28,8 +27,8 @@ def free_ports(n: int) -> int:
         try:
             for i in range(n):
                 s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
                 socks.append(s)
+                s.bind(("127.0.0.1", base + i))
             return base
         except OSError:
             continue
@@ -39,11 +38,13 @@ def free_ports(n: int) -> int:
     raise RuntimeError("no run of free ports found")
 
 
-def http_json(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None,
-              timeout: float = 10.0) -> tuple[int, Any]:  # fmt: skip
+def http_json(
+    method: str, url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 10.0
+) -> tuple[int, Any]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})  # fmt: skip
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read()

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvgate.features import extract
 from kvgate.stack import Stack, free_port
+
 from tests.conftest import MODEL, free_ports, http_json, wait_until
 
 
@@ -32,22 +33,33 @@ class DecisionClient:
         return dict(self.call({"op": "decide", "f": wire}))
 
     def finish(self, decision: dict[str, Any], status: int = 200) -> None:
-        self.call({"op": "report", "o": [{"i": decision["i"], "b": decision["c"][0], "s": status, "x": True}]},
-                  reply=False)  # fmt: skip
+        self.call(
+            {"op": "report", "o": [{"i": decision["i"], "b": decision["c"][0], "s": status, "x": True}]},
+            reply=False,
+        )
 
     def close(self) -> None:
         self.file.close()
         self.sock.close()
 
 
-def sidecar_config(socket_path: Path, http_port: int, redis_port: int | None, sim_port: int, n: int,
-                   **routing: Any) -> dict[str, Any]:  # fmt: skip
+def sidecar_config(
+    socket_path: Path, http_port: int, redis_port: int | None, sim_port: int, n: int, **routing: Any
+) -> dict[str, Any]:
     return {
         "listen": {"socket": str(socket_path), "http_port": http_port, "admin_token": "test-token"},
-        "redis": {"url": None if redis_port is None else f"redis://127.0.0.1:{redis_port}/0",
-                  "retry_after_ms": 200},  # fmt: skip
-        "scrape": {"interval_ms": 100, "timeout_ms": 80, "stale_after_ms": 1000, "unhealthy_after": 2,
-                   "healthy_after": 2, "membership_refresh_ms": 200},  # fmt: skip
+        "redis": {
+            "url": None if redis_port is None else f"redis://127.0.0.1:{redis_port}/0",
+            "retry_after_ms": 200,
+        },
+        "scrape": {
+            "interval_ms": 100,
+            "timeout_ms": 80,
+            "stale_after_ms": 1000,
+            "unhealthy_after": 2,
+            "healthy_after": 2,
+            "membership_refresh_ms": 200,
+        },
         "routing": routing,
         "backends": [{"id": f"sim-{i}", "url": f"http://127.0.0.1:{sim_port + i}"} for i in range(n)],
     }
@@ -56,8 +68,9 @@ def sidecar_config(socket_path: Path, http_port: int, redis_port: int | None, si
 class Sidecar:
     """One sidecar process of a test stack, with its socket path and HTTP base URL."""
 
-    def __init__(self, stack: Stack, name: str, redis_port: int | None, sim_port: int, n: int,
-                 **routing: Any) -> None:  # fmt: skip
+    def __init__(
+        self, stack: Stack, name: str, redis_port: int | None, sim_port: int, n: int, **routing: Any
+    ) -> None:
         self.stack = stack
         self.name = name
         self.socket = stack.run_dir / f"{name}.sock"
@@ -94,3 +107,46 @@ def chat(conversation: int, turns: int, system: str = "You are a helpful assista
         if t < turns - 1:
             messages.append({"role": "assistant", "content": f"answer {t} " * 40})
     return {"model": MODEL, "messages": messages, "max_tokens": 4}
+
+
+class Gateway:
+    """A full kvgate gateway replica: sidecar + Nginx with the project's Lua, sharing Redis and backends."""
+
+    def __init__(
+        self,
+        stack: Stack,
+        name: str,
+        redis_port: int | None,
+        sim_port: int,
+        n: int,
+        client_max_body_size: str = "16m",
+        route_headers: bool = True,
+        **routing: Any,
+    ) -> None:
+        from kvgate.nginx_conf import NginxSettings
+
+        self.stack = stack
+        self.name = name
+        self.sidecar = Sidecar(stack, f"{name}-sidecar", redis_port, sim_port, n, **routing)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        run_dir = stack.run_dir / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.settings = NginxSettings(
+            listen=f"127.0.0.1:{self.port}",
+            socket=str(self.sidecar.socket),
+            run_dir=str(run_dir),
+            workers=2,
+            client_max_body_size=client_max_body_size,
+            client_body_buffer_size="1m",
+            route_headers=route_headers,
+        )
+        self.error_log = run_dir / "nginx-error.log"
+        self.start_nginx()
+
+    def start_nginx(self) -> None:
+        self.stack.start_nginx(self.settings, self.port, f"{self.name}-nginx")
+        # Ready when the fail-open peer list has arrived from the sidecar.
+        wait_until(
+            lambda: http_json("GET", self.url + "/kvgate/health")[1]["fail_open_peers"] > 0, timeout=10
+        )

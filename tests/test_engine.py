@@ -98,7 +98,9 @@ def test_max_num_seqs_limits_the_running_batch() -> None:
     e = engine(max_num_seqs=4)
     reqs = [Request(str(i), prompt(i, 30), 10, 0.0, ignore_eos=True) for i in range(10)]
     peak = []
-    run_to_completion(e, reqs, lambda s: peak.append(e.num_running + len([x for x in s.events if x.finish_reason])))
+    run_to_completion(
+        e, reqs, lambda s: peak.append(e.num_running + len([x for x in s.events if x.finish_reason]))
+    )
     assert max(peak) <= 4
 
 

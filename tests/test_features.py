@@ -16,7 +16,11 @@ def test_python_features_match_the_golden_file() -> None:
 def test_conversation_keeps_its_derived_key_across_turns() -> None:
     system = {"role": "system", "content": "shared system prompt " * 100}
     turn1 = [system, {"role": "user", "content": "plan a trip to Rome"}]
-    turn3 = [*turn1, {"role": "assistant", "content": "sure " * 50}, {"role": "user", "content": "and Naples?"}]
+    turn3 = [
+        *turn1,
+        {"role": "assistant", "content": "sure " * 50},
+        {"role": "user", "content": "and Naples?"},
+    ]
     a, b = extract({"messages": turn1}), extract({"messages": turn3})
     assert a.key == b.key and a.key_source == "prefix"
     assert b.hashes[: len(a.hashes)] == a.hashes  # the grown conversation extends the same chain
@@ -24,7 +28,9 @@ def test_conversation_keeps_its_derived_key_across_turns() -> None:
 
 def test_shared_system_prompt_does_not_collapse_derived_keys() -> None:
     system = {"role": "system", "content": "shared system prompt " * 100}
-    keys = {extract({"messages": [system, {"role": "user", "content": f"question {i}"}]}).key for i in range(50)}
+    keys = {
+        extract({"messages": [system, {"role": "user", "content": f"question {i}"}]}).key for i in range(50)
+    }
     assert len(keys) == 50
 
 

@@ -2,7 +2,6 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvgate.ring import Ring
 
 KEYS = [f"session-{i}" for i in range(20_000)]

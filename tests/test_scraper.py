@@ -1,5 +1,4 @@
 import pytest
-
 from kvgate.load import Scraped, view
 from kvgate.scraper import ScrapeError, parse_metrics
 

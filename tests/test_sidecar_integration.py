@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 import redis
-
 from kvgate.features import extract
 from kvgate.stack import Stack, free_port
+
 from tests.conftest import http_json, wait_until
 from tests.helpers import Sidecar, chat, start_backends
 
@@ -58,7 +58,7 @@ def test_redis_down_routes_from_memory_and_recovers(stack: Stack, redis_port: in
     during = [c.decide_body(chat(1, 2)), c.decide_body(chat(2, 1)), c.decide_body(chat(2, 2))]
     assert during[0]["c"][0] == before["c"][0], "the local map keeps the session"
     assert during[2]["c"][0] == during[1]["c"][0]
-    status, health = http_json("GET", sc.http + "/healthz")
+    _, health = http_json("GET", sc.http + "/healthz")
     assert health["redis"] == "down"
     metrics = http_json("GET", sc.http + "/metrics")[1]
     assert "kvgate_redis_fallbacks_total" in metrics and "kvgate_redis_errors_total" in metrics
@@ -98,7 +98,10 @@ def test_garbage_metrics_make_a_backend_unhealthy(stack: Stack) -> None:
     sc = Sidecar(stack, "a", None, sim, 2)
     http_json("POST", f"http://127.0.0.1:{sim}/sim/faults", {"metrics": "garbage"})
     wait_until(lambda: sc.backends()["sim-0"]["state"] == "unhealthy", timeout=5)
-    assert "unparseable" in sc.backends()["sim-0"]["last_error"] or "no vllm" in sc.backends()["sim-0"]["last_error"]
+    assert (
+        "unparseable" in sc.backends()["sim-0"]["last_error"]
+        or "no vllm" in sc.backends()["sim-0"]["last_error"]
+    )
 
 
 def test_membership_changes_reach_every_sidecar(stack: Stack, redis_port: int) -> None:
@@ -127,7 +130,9 @@ def test_unknown_model_is_refused(stack: Stack) -> None:
     c.close()
 
 
-def test_shared_system_prompt_200_conversations_spread_within_bound_and_stick(stack: Stack, redis_port: int) -> None:
+def test_shared_system_prompt_200_conversations_spread_within_bound_and_stick(
+    stack: Stack, redis_port: int
+) -> None:
     sim = start_backends(stack, 4)
     sc = Sidecar(stack, "a", redis_port, sim, 4)
     c = sc.client()

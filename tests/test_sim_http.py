@@ -11,8 +11,8 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from kvgate.stack import Stack
+
 from tests.conftest import MODEL, free_ports, http_json, require_binary, wait_until
 
 
@@ -37,8 +37,12 @@ def words(n: int, key: str = "x") -> str:
 
 
 def test_chat_non_streaming_shape_and_usage(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words(10, "a")}],
-                                       max_tokens=7, extra_body={"ignore_eos": True})  # fmt: skip
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": words(10, "a")}],
+        max_tokens=7,
+        extra_body={"ignore_eos": True},
+    )
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     assert r.choices[0].message.role == "assistant"
     assert len(r.choices[0].message.content.split()) == 7
@@ -48,17 +52,26 @@ def test_chat_non_streaming_shape_and_usage(client: openai.OpenAI) -> None:
 
 
 def test_chat_streaming_role_chunk_tokens_usage_and_done(client: openai.OpenAI, sim: str) -> None:
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words(20, "b")}],
-                                            max_tokens=5, stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": words(20, "b")}],
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
     content = [c for c in chunks[1:] if c.choices]
     assert len(content) == 5 and content[-1].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     # The raw stream ends with [DONE].
-    req = urllib.request.Request(sim + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
-                                 data=b'{"prompt": "hello world", "max_tokens": 3, "stream": true}')  # fmt: skip
+    req = urllib.request.Request(
+        sim + "/v1/completions",
+        method="POST",
+        headers={"Content-Type": "application/json"},
+        data=b'{"prompt": "hello world", "max_tokens": 3, "stream": true}',
+    )
     with urllib.request.urlopen(req, timeout=10) as resp:
         raw = resp.read().decode()
     assert resp.headers["Content-Type"].startswith("text/event-stream")
@@ -67,21 +80,33 @@ def test_chat_streaming_role_chunk_tokens_usage_and_done(client: openai.OpenAI, 
 
 
 def test_completions_streaming_and_not(client: openai.OpenAI) -> None:
-    r = client.completions.create(model=MODEL, prompt=words(30, "c"), max_tokens=4, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt=words(30, "c"), max_tokens=4, extra_body={"ignore_eos": True}
+    )
     assert r.object == "text_completion" and len(r.choices[0].text.split()) == 4
-    chunks = list(client.completions.create(model=MODEL, prompt=words(30, "c"), max_tokens=4, stream=True,
-                                            extra_body={"ignore_eos": True}))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=words(30, "c"), max_tokens=4, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
 
 
-def test_repeated_prompt_reports_cached_tokens_faster_ttft_and_metrics(client: openai.OpenAI, sim: str) -> None:
+def test_repeated_prompt_reports_cached_tokens_faster_ttft_and_metrics(
+    client: openai.OpenAI, sim: str
+) -> None:
     prompt = words(4000, "d")  # 4,000 tokens exactly (completions add no template)
 
     def ttft() -> tuple[float, int]:
         t0 = time.perf_counter()
-        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, stream=True,
-                                           stream_options={"include_usage": True},
-                                           extra_body={"ignore_eos": True})  # fmt: skip
+        stream = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         first = None
         cached = -1
         for c in stream:
@@ -107,7 +132,11 @@ def test_repeated_prompt_reports_cached_tokens_faster_ttft_and_metrics(client: o
 
 
 def test_errors_use_vllm_envelope(sim: str) -> None:
-    status, body = http_json("POST", sim + "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    status, body = http_json(
+        "POST",
+        sim + "/v1/chat/completions",
+        {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+    )
     assert status == 404 and body["error"]["type"] == "NotFoundError" and body["error"]["param"] == "model"
     status, body = http_json("POST", sim + "/v1/chat/completions", {"messages": "x"})
     assert status == 400 and body["error"]["code"] == 400
@@ -115,10 +144,16 @@ def test_errors_use_vllm_envelope(sim: str) -> None:
     assert status == 400 and "maximum context length is 8192" in body["error"]["message"]
     status, body = http_json("POST", sim + "/v1/completions", {"prompt": "x", "priority": 3})
     assert status == 400 and "Priority scheduling is not enabled" in body["error"]["message"]
-    status, body = http_json("POST", sim + "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}})
+    status, body = http_json(
+        "POST", sim + "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}
+    )
     assert status == 400
-    req = urllib.request.Request(sim + "/v1/completions", data=b"{not json", method="POST",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        sim + "/v1/completions",
+        data=b"{not json",
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=5)
     assert err.value.code == 400 and b"Traceback" not in err.value.read()
@@ -126,7 +161,9 @@ def test_errors_use_vllm_envelope(sim: str) -> None:
 
 
 def test_unknown_fields_are_accepted(sim: str) -> None:
-    status, body = http_json("POST", sim + "/v1/completions", {"prompt": "x y", "max_tokens": 2, "frobnicate": 1})
+    status, body = http_json(
+        "POST", sim + "/v1/completions", {"prompt": "x y", "max_tokens": 2, "frobnicate": 1}
+    )
     assert status == 200 and body["usage"]["completion_tokens"] <= 2
 
 
@@ -143,23 +180,41 @@ def test_side_endpoints(sim: str) -> None:
 def test_metrics_pass_promtool_apart_from_vllms_colon_names(sim: str) -> None:
     promtool = require_binary("promtool")
     text = urllib.request.urlopen(sim + "/metrics", timeout=5).read()
-    for name in ("vllm:num_requests_running{", "vllm:kv_cache_usage_perc{", "vllm:gpu_cache_usage_perc{",
-                 "vllm:prefix_cache_queries_total{", "vllm:gpu_prefix_cache_hits_total{",
-                 "vllm:num_preemptions_total{", "vllm:request_success_total{", "vllm:cache_config_info{",
-                 'vllm:time_to_first_token_seconds_bucket{engine="0",le="2560.0"', "vllm_sim:step_lag_seconds{",
-                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket"):  # fmt: skip
+    for name in (
+        "vllm:num_requests_running{",
+        "vllm:kv_cache_usage_perc{",
+        "vllm:gpu_cache_usage_perc{",
+        "vllm:prefix_cache_queries_total{",
+        "vllm:gpu_prefix_cache_hits_total{",
+        "vllm:num_preemptions_total{",
+        "vllm:request_success_total{",
+        "vllm:cache_config_info{",
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="2560.0"',
+        "vllm_sim:step_lag_seconds{",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+    ):
         assert name.encode() in text, name
     out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
-    problems = [line for line in (out.stdout + out.stderr).decode().splitlines()
-                if line.strip() and "should not contain ':'" not in line]  # fmt: skip
+    problems = [
+        line
+        for line in (out.stdout + out.stderr).decode().splitlines()
+        if line.strip() and "should not contain ':'" not in line
+    ]
     assert problems == []
 
 
 def test_faults_unhealthy_fail_rate_and_garbage_metrics(sim: str) -> None:
     other = sim.rsplit(":", 1)[0] + ":" + str(int(sim.rsplit(":", 1)[1]) + 1)
     try:
-        assert http_json("POST", other + "/sim/faults", {"unhealthy": True, "fail_rate": 1.0, "fail_status": 503,
-                                                          "metrics": "garbage"})[0] == 200  # fmt: skip
+        assert (
+            http_json(
+                "POST",
+                other + "/sim/faults",
+                {"unhealthy": True, "fail_rate": 1.0, "fail_status": 503, "metrics": "garbage"},
+            )[0]
+            == 200
+        )
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(other + "/health", timeout=5)
         assert err.value.code == 503
@@ -176,9 +231,16 @@ def test_faults_unhealthy_fail_rate_and_garbage_metrics(sim: str) -> None:
 def test_fault_abort_after_tokens_cuts_the_stream(sim: str, client: openai.OpenAI) -> None:
     http_json("POST", sim + "/sim/faults", {"abort_after_tokens": 2})
     try:
-        with pytest.raises((openai.APIError, Exception)):  # noqa: B017 - the transport error type varies
-            list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                                max_tokens=10, stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+        with pytest.raises((openai.APIError, Exception)):
+            list(
+                client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "x"}],
+                    max_tokens=10,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+            )
     finally:
         http_json("DELETE", sim + "/sim/faults")
 
@@ -211,8 +273,10 @@ def test_fault_hang_accepts_and_never_answers(sim: str) -> None:
     try:
         body = b'{"prompt": "x", "max_tokens": 1}'
         with socket.create_connection(("127.0.0.1", int(other.rsplit(":", 1)[1])), timeout=0.5) as conn:
-            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            conn.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
             with pytest.raises(TimeoutError):
                 conn.recv(1)
     finally:

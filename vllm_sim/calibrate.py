@@ -71,8 +71,10 @@ def calibrate(profile: Profile) -> list[Check]:
 
 
 def report(profile: Profile, checks: list[Check]) -> str:
-    lines = [f"profile {profile.name} (tolerance ±{TOLERANCE:.0%})",
-             f"{'figure':32} {'measured':>10} {'target':>10} {'ratio':>6}  source"]  # fmt: skip
+    lines = [
+        f"profile {profile.name} (tolerance ±{TOLERANCE:.0%})",
+        f"{'figure':32} {'measured':>10} {'target':>10} {'ratio':>6}  source",
+    ]
     for c in checks:
         mark = "" if c.ok else "  OUT OF TOLERANCE"
         lines.append(

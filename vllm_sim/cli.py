@@ -46,10 +46,16 @@ def _serve_parser() -> argparse.ArgumentParser:
 def _configs(args: argparse.Namespace) -> list[InstanceConfig]:
     profile = get_profile(args.profile)
     faults = Faults.from_mapping(
-        {"unhealthy": args.fault_unhealthy, "latency_ms": args.fault_latency_ms, "hang": args.fault_hang,
-         "fail_rate": args.fault_fail_rate, "fail_status": args.fault_fail_status,
-         "abort_after_tokens": args.fault_abort_after_tokens, "metrics": args.fault_metrics}
-    )  # fmt: skip
+        {
+            "unhealthy": args.fault_unhealthy,
+            "latency_ms": args.fault_latency_ms,
+            "hang": args.fault_hang,
+            "fail_rate": args.fault_fail_rate,
+            "fail_status": args.fault_fail_status,
+            "abort_after_tokens": args.fault_abort_after_tokens,
+            "metrics": args.fault_metrics,
+        }
+    )
     out = []
     for i in range(args.instances):
         engine = EngineConfig.from_profile(
@@ -70,8 +76,11 @@ async def _serve(args: argparse.Namespace) -> None:
     for i, inst in enumerate(instances):
         await inst.start(args.host, args.port + i)
     ports = f"{args.port}..{args.port + len(instances) - 1}" if len(instances) > 1 else str(args.port)
-    print(f"vllm-sim: {len(instances)} instance(s) of {args.model} ({args.profile}, time-scale "
-          f"{args.time_scale}) on {args.host}:{ports}", flush=True)  # fmt: skip
+    print(
+        f"vllm-sim: {len(instances)} instance(s) of {args.model} ({args.profile}, time-scale "
+        f"{args.time_scale}) on {args.host}:{ports}",
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

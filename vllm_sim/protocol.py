@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm_sim import tokenizer
 
@@ -18,9 +18,15 @@ from vllm_sim import tokenizer
 class ApiError(Exception):
     """An error answered in vLLM's envelope ``{"error": {message, type, param, code}}``."""
 
-    TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-             501: "NotImplementedError", 503: "ServiceUnavailableError", 429: "RateLimitError",
-             502: "BadGatewayError"}  # fmt: skip
+    TYPES: ClassVar[dict[int, str]] = {
+        400: "BadRequestError",
+        404: "NotFoundError",
+        500: "InternalServerError",
+        501: "NotImplementedError",
+        503: "ServiceUnavailableError",
+        429: "RateLimitError",
+        502: "BadGatewayError",
+    }
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -29,8 +35,14 @@ class ApiError(Exception):
         self.param = param
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
-                          "param": self.param, "code": self.status}}  # fmt: skip
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "Error"),
+                "param": self.param,
+                "code": self.status,
+            }
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,21 +176,41 @@ class ResponseBuilder:
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
 
     def _chunk(self, choices: list[dict[str, Any]], usage_block: dict[str, Any] | None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.req.request_id, "object": self.object, "created": self.created,
-                               "model": self.req.model, "choices": choices}  # fmt: skip
+        out: dict[str, Any] = {
+            "id": self.req.request_id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.req.model,
+            "choices": choices,
+        }
         if self.req.include_usage or self.req.continuous_usage:
             out["usage"] = usage_block
         return out
 
     def role_chunk(self) -> dict[str, Any]:
         return self._chunk(
-            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-              "finish_reason": None}], None)  # fmt: skip
+            [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+            None,
+        )
 
-    def token_chunk(self, text: str, finish_reason: str | None, running: dict[str, Any] | None) -> dict[str, Any]:
+    def token_chunk(
+        self, text: str, finish_reason: str | None, running: dict[str, Any] | None
+    ) -> dict[str, Any]:
         choice: dict[str, Any]
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         if finish_reason is not None:
@@ -186,22 +218,53 @@ class ResponseBuilder:
         return self._chunk([choice], running if self.req.continuous_usage else None)
 
     def usage_chunk(self, usage_block: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.req.request_id, "object": self.object, "created": self.created,
-                "model": self.req.model, "choices": [], "usage": usage_block}  # fmt: skip
+        return {
+            "id": self.req.request_id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.req.model,
+            "choices": [],
+            "usage": usage_block,
+        }
 
     def full(self, text: str, finish_reason: str, usage_block: dict[str, Any]) -> dict[str, Any]:
         if self.chat:
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                            "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None},
-                "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
-            }  # fmt: skip
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "tool_calls": [],
+                    "reasoning_content": None,
+                },
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+            }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": None, "prompt_logprobs": None}  # fmt: skip
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
             obj = "text_completion"
-        return {"id": self.req.request_id, "object": obj, "created": self.created, "model": self.req.model,
-                "choices": [choice], "usage": usage_block, "service_tier": None, "system_fingerprint": None,
-                "prompt_logprobs": None, "kv_transfer_params": None}  # fmt: skip
+        return {
+            "id": self.req.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.req.model,
+            "choices": [choice],
+            "usage": usage_block,
+            "service_tier": None,
+            "system_fingerprint": None,
+            "prompt_logprobs": None,
+            "kv_transfer_params": None,
+        }

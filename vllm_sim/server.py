@@ -8,12 +8,12 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from vllm_sim import __version__, protocol, tokenizer
+from vllm_sim import protocol, tokenizer
 from vllm_sim.engine import Engine, EngineConfig, Request, SchedulingPolicy
 from vllm_sim.faults import Faults
 from vllm_sim.metrics import CONTENT_TYPE, InstanceMetrics
@@ -28,7 +28,7 @@ class InstanceConfig:
     model: str
     engine: EngineConfig
     time_scale: float = 1.0
-    faults: Faults = Faults()
+    faults: Faults = field(default_factory=Faults)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -53,6 +53,7 @@ class Instance:
         self.site: web.TCPSite | None = None
         self.runner: web.AppRunner | None = None
         self._reopen: asyncio.Task[None] | None = None
+        self._refusing = False
 
     def _lag(self) -> float:
         return self.loop.step_lag() if self.loop else 0.0
@@ -105,6 +106,10 @@ class Instance:
     async def _errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
+        if self._refusing and request.transport is not None:
+            # A dead server also drops the keep-alive connections it already had.
+            request.transport.abort()
+            return web.Response(status=503)
         # vLLM never answers with a stack trace: unexpected failures become a 500 envelope.
         try:
             return await handler(request)
@@ -162,10 +167,14 @@ class Instance:
         # Frontend work (API, tokenization) happens before the engine sees the request.
         await asyncio.sleep(loop.to_wall(cfg.profile.frontend_s))
         req = Request(
-            request_id=parsed.request_id, prompt_ids=parsed.prompt_ids, max_tokens=parsed.max_tokens,
-            arrival=arrival, ignore_eos=parsed.ignore_eos, priority=parsed.priority,
+            request_id=parsed.request_id,
+            prompt_ids=parsed.prompt_ids,
+            max_tokens=parsed.max_tokens,
+            arrival=arrival,
+            ignore_eos=parsed.ignore_eos,
+            priority=parsed.priority,
             cache_salt=parsed.cache_salt,
-        )  # fmt: skip
+        )
         queue = loop.submit(req)
         builder = protocol.ResponseBuilder(parsed)
         try:
@@ -210,8 +219,9 @@ class Instance:
     async def _stream(
         self, request: web.Request, req: Request, queue: asyncio.Queue[Any], builder: protocol.ResponseBuilder
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                           "Cache-Control": "no-cache"})  # fmt: skip
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+        )
 
         async def send(obj: Any) -> None:
             await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
@@ -228,9 +238,11 @@ class Instance:
                     await send(builder.role_chunk())
             if event.finish_reason in ("error", INTERNAL_ERROR):
                 # vLLM reports failures after the stream started as an error event, then [DONE].
-                err = (protocol.ApiError(500, "The engine failed while running this request.")
-                       if event.finish_reason == INTERNAL_ERROR
-                       else protocol.ApiError(400, "The prompt does not fit in the KV cache."))  # fmt: skip
+                err = (
+                    protocol.ApiError(500, "The engine failed while running this request.")
+                    if event.finish_reason == INTERNAL_ERROR
+                    else protocol.ApiError(400, "The prompt does not fit in the KV cache.")
+                )
                 await send(err.body())
                 break
             if event.word is not None:
@@ -256,13 +268,30 @@ class Instance:
     async def models(self, request: web.Request) -> web.Response:
         m = self.config.model
         card = {
-            "id": m, "object": "model", "created": self.created, "owned_by": "vllm", "root": m,
-            "parent": None, "max_model_len": self.config.engine.max_model_len,
-            "permission": [{"id": f"modelperm-{m}", "object": "model_permission", "created": self.created,
-                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                            "organization": "*", "group": None, "is_blocking": False}],
-        }  # fmt: skip
+            "id": m,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "vllm",
+            "root": m,
+            "parent": None,
+            "max_model_len": self.config.engine.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{m}",
+                    "object": "model_permission",
+                    "created": self.created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
         return _json({"object": "list", "data": [card]})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -298,8 +327,14 @@ class Instance:
             raise protocol.ApiError(400, "prompt (a string) or messages is required", "prompt")
         ids = tokenizer.encode(text)
         strs = text.split() if body.get("return_token_strs") else None
-        return _json({"count": len(ids), "max_model_len": self.config.engine.max_model_len, "tokens": ids,
-                      "token_strs": strs})  # fmt: skip
+        return _json(
+            {
+                "count": len(ids),
+                "max_model_len": self.config.engine.max_model_len,
+                "tokens": ids,
+                "token_strs": strs,
+            }
+        )
 
     async def detokenize(self, request: web.Request) -> web.Response:
         raise protocol.ApiError(501, "The simulator's token ids are hashes and cannot be detokenized.")
@@ -336,7 +371,9 @@ class Instance:
             return
         host, port = site._host, site._port  # the address this instance was started on
         await asyncio.sleep(0.05)  # let the admin response leave first
+        self._refusing = True
         await site.stop()
         await asyncio.sleep(seconds)
         assert host is not None
+        self._refusing = False
         await self._listen(host, port)

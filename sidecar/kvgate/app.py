@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -37,6 +37,7 @@ REDIS = web.AppKey("redis", aioredis.Redis)
 SERVICE = web.AppKey("service", DecisionService)
 REGISTRY = web.AppKey("registry", Registry)
 MEMBERSHIP = web.AppKey("membership", Membership)
+RELOAD: web.AppKey[Callable[[], Awaitable[None]]] = web.AppKey("reload")
 
 
 def redis_client(config: Config) -> aioredis.Redis | None:
@@ -55,8 +56,9 @@ def redis_client(config: Config) -> aioredis.Redis | None:
     )
 
 
-async def _scrape_round(registry: Registry, session: aiohttp.ClientSession, config: Config, n: int,
-                        metrics: SidecarMetrics) -> None:  # fmt: skip
+async def _scrape_round(
+    registry: Registry, session: aiohttp.ClientSession, config: Config, n: int, metrics: SidecarMetrics
+) -> None:
     sc = config.scrape
 
     async def one(bid: str, url: str, want_models: bool) -> None:
@@ -75,14 +77,17 @@ async def _scrape_round(registry: Registry, session: aiohttp.ClientSession, conf
             metrics.scrape_latency.observe(time.perf_counter() - t0)
         registry.scrape_ok(bid, scraped)
 
-    jobs = [one(bid, s.spec.url, n % MODELS_EVERY == 0 or not s.models)
-            for bid, s in list(registry.backends.items())]  # fmt: skip
+    jobs = [
+        one(bid, s.spec.url, n % MODELS_EVERY == 0 or not s.models)
+        for bid, s in list(registry.backends.items())
+    ]
     await asyncio.gather(*jobs)
     registry.expire_inflight(time.monotonic())
 
 
-async def scrape_loop(registry: Registry, session: aiohttp.ClientSession, config: Config,
-                      metrics: SidecarMetrics) -> None:  # fmt: skip
+async def scrape_loop(
+    registry: Registry, session: aiohttp.ClientSession, config: Config, metrics: SidecarMetrics
+) -> None:
     n = 0
     while True:
         started = time.monotonic()
@@ -104,7 +109,9 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
     client = redis_client(config)
     sessions = SessionStore(config.redis, metrics, client)
     membership = Membership(client, config.redis.prefix, registry, metrics)
-    service = DecisionService(config, registry, sessions, PrefixIndex(config.routing.prefix_index_blocks), metrics)
+    service = DecisionService(
+        config, registry, sessions, PrefixIndex(config.routing.prefix_index_blocks), metrics
+    )
     app[SERVICE] = service
     app[REGISTRY] = registry
     app[MEMBERSHIP] = membership
@@ -117,7 +124,7 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
         logger.warning("reloaded %d backend(s) from %s", len(fresh.backends), config_path)
 
     HttpApi(config, registry, membership, service, metrics, reload).routes(app)
-    app["reload"] = reload
+    app[RELOAD] = reload
 
     async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
@@ -129,9 +136,12 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
         await membership.seed(config.backends)
         # One round before serving, so the first decisions see health, load and models.
         await _scrape_round(registry, session, config, 0, metrics)
-        tasks = [asyncio.create_task(scrape_loop(registry, session, config, metrics), name="scrape"),
-                 asyncio.create_task(membership_loop(membership, config.scrape.membership_refresh_s),
-                                     name="membership")]  # fmt: skip
+        tasks = [
+            asyncio.create_task(scrape_loop(registry, session, config, metrics), name="scrape"),
+            asyncio.create_task(
+                membership_loop(membership, config.scrape.membership_refresh_s), name="membership"
+            ),
+        ]
         yield
         for t in tasks:
             t.cancel()
@@ -160,8 +170,12 @@ async def serve(config: Config, config_path: str | Path | None = None) -> None:
     await runner.setup()
     site = web.TCPSite(runner, config.listen.http_host, config.listen.http_port)
     await site.start()
-    logger.warning("kvgate sidecar: decisions on unix:%s, HTTP on %s:%d", config.listen.socket,
-                   config.listen.http_host, config.listen.http_port)  # fmt: skip
+    logger.warning(
+        "kvgate sidecar: decisions on unix:%s, HTTP on %s:%d",
+        config.listen.socket,
+        config.listen.http_host,
+        config.listen.http_port,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, stop.set)
@@ -184,6 +198,6 @@ async def _safe_reload(app: web.Application) -> None:
     from kvgate.config import ConfigError
 
     try:
-        await app["reload"]()
+        await app[RELOAD]()
     except ConfigError as exc:
         logger.error("reload failed, keeping the running config: %s", exc)

@@ -17,7 +17,6 @@ import yaml
 
 from kvgate.policies import PolicyName
 
-
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SOCKET = ".run/kvgate-sidecar.sock"
 
@@ -38,7 +37,9 @@ def _section(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
 def _check_keys(data: Mapping[str, Any], where: str, allowed: set[str]) -> None:
     unknown = sorted(set(data) - allowed)
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}"
+        )
 
 
 def _ms(data: Mapping[str, Any], where: str, key: str, default_ms: float, lo: float, hi: float) -> float:
@@ -97,8 +98,12 @@ class BackendSpec:
         labels = data.get("labels") or {}
         if not isinstance(labels, Mapping):
             raise ConfigError(f"{where}.labels: expected a mapping of label: value")
-        return cls(id=str(bid), url=url.rstrip("/"), weight=_num(data, where, "weight", 1.0, 0.01, 1000.0),
-                   labels={str(k): str(v) for k, v in labels.items()})  # fmt: skip
+        return cls(
+            id=str(bid),
+            url=url.rstrip("/"),
+            weight=_num(data, where, "weight", 1.0, 0.01, 1000.0),
+            labels={str(k): str(v) for k, v in labels.items()},
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +119,19 @@ class RedisConfig:
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> RedisConfig:
         w = "redis"
-        _check_keys(d, w, {"url", "timeout_ms", "connect_timeout_ms", "retry_after_ms", "session_ttl_s",
-                           "prefix", "local_sessions"})  # fmt: skip
+        _check_keys(
+            d,
+            w,
+            {
+                "url",
+                "timeout_ms",
+                "connect_timeout_ms",
+                "retry_after_ms",
+                "session_ttl_s",
+                "prefix",
+                "local_sessions",
+            },
+        )
         url = d.get("url", DEFAULT_REDIS_URL)
         if url is not None and (not isinstance(url, str) or not url.startswith(("redis://", "unix://"))):
             raise ConfigError(f"{w}.url: {url!r} must start with redis:// or unix:// (or be null)")
@@ -142,8 +158,18 @@ class ScrapeConfig:
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> ScrapeConfig:
         w = "scrape"
-        _check_keys(d, w, {"interval_ms", "timeout_ms", "stale_after_ms", "unhealthy_after", "healthy_after",
-                           "membership_refresh_ms"})  # fmt: skip
+        _check_keys(
+            d,
+            w,
+            {
+                "interval_ms",
+                "timeout_ms",
+                "stale_after_ms",
+                "unhealthy_after",
+                "healthy_after",
+                "membership_refresh_ms",
+            },
+        )
         out = cls(
             interval_s=_ms(d, w, "interval_ms", 500, 50, 60_000),
             timeout_s=_ms(d, w, "timeout_ms", 250, 10, 30_000),
@@ -172,8 +198,21 @@ class RoutingConfig:
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> RoutingConfig:
         w = "routing"
-        _check_keys(d, w, {"policy", "per_model", "session_header", "load_factor", "vnodes", "max_candidates",
-                           "saturation_waiting", "saturation_kv", "prefix_index_blocks"})  # fmt: skip
+        _check_keys(
+            d,
+            w,
+            {
+                "policy",
+                "per_model",
+                "session_header",
+                "load_factor",
+                "vnodes",
+                "max_candidates",
+                "saturation_waiting",
+                "saturation_kv",
+                "prefix_index_blocks",
+            },
+        )
 
         def policy(value: Any, where: str) -> PolicyName:
             try:
@@ -213,9 +252,12 @@ class ListenConfig:
         if host not in ("127.0.0.1", "::1", "localhost"):
             raise ConfigError(f"{w}.http_host: {host!r} is not loopback; the sidecar API is local only")
         token = d.get("admin_token")
-        return cls(socket=str(d.get("socket", DEFAULT_SOCKET)), http_host=host,
-                   http_port=_int(d, w, "http_port", 9100, 0, 65535),
-                   admin_token=None if token is None else str(token))  # fmt: skip
+        return cls(
+            socket=str(d.get("socket", DEFAULT_SOCKET)),
+            http_host=host,
+            http_port=_int(d, w, "http_port", 9100, 0, 65535),
+            admin_token=None if token is None else str(token),
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ cosocket pool, so a decision costs one write and one read on an open socket; no 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -28,8 +29,8 @@ class DecisionServer:
         self.server: asyncio.Server | None = None
 
     async def start(self, path: str) -> None:
-        if os.path.exists(path):
-            os.unlink(path)  # a stale socket from a previous run
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a stale socket from a previous run (a local, non-blocking unlink)
         self.server = await asyncio.start_unix_server(self._serve, path=path, limit=MAX_LINE)
         os.chmod(path, 0o660)
 
@@ -61,9 +62,13 @@ class DecisionServer:
         if op == "peers":
             return self.registry.peers()
         if op == "models":
-            return {"object": "list",
-                    "data": [{"id": m, "object": "model", "created": 0, "owned_by": "vllm"}
-                             for m in self.registry.models()]}  # fmt: skip
+            return {
+                "object": "list",
+                "data": [
+                    {"id": m, "object": "model", "created": 0, "owned_by": "vllm"}
+                    for m in self.registry.models()
+                ],
+            }
         return {"e": "bad_request", "msg": f"unknown op {op!r}"}
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

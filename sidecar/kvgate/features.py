@@ -107,8 +107,9 @@ def chunk_hashes(data: bytes) -> list[str]:
     return out
 
 
-def extract(body: Mapping[str, Any], headers: Mapping[str, str] | None = None,
-            session_header: str = "X-Session-ID") -> Features:  # fmt: skip
+def extract(
+    body: Mapping[str, Any], headers: Mapping[str, str] | None = None, session_header: str = "X-Session-ID"
+) -> Features:
     text, first_user = canonical_text(body)
     data = text.encode()
     hashes = chunk_hashes(data)

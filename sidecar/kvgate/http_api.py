@@ -25,13 +25,21 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _error(status: int, message: str, typ: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": typ, "param": None, "code": status}},
-                             status=status)  # fmt: skip
+    return web.json_response(
+        {"error": {"message": message, "type": typ, "param": None, "code": status}}, status=status
+    )
 
 
 class HttpApi:
-    def __init__(self, config: Config, registry: Registry, membership: Membership, service: DecisionService,
-                 metrics: SidecarMetrics, reload: Callable[[], Awaitable[None]]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Config,
+        registry: Registry,
+        membership: Membership,
+        service: DecisionService,
+        metrics: SidecarMetrics,
+        reload: Callable[[], Awaitable[None]],
+    ) -> None:
         self.config = config
         self.registry = registry
         self.membership = membership
@@ -58,8 +66,11 @@ class HttpApi:
         async def guarded(request: web.Request) -> web.StreamResponse:
             token = self.config.listen.admin_token
             if not token:
-                return _error(403, "admin API disabled: set listen.admin_token or KVGATE_ADMIN_TOKEN",
-                              "permission_error")  # fmt: skip
+                return _error(
+                    403,
+                    "admin API disabled: set listen.admin_token or KVGATE_ADMIN_TOKEN",
+                    "permission_error",
+                )
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
                 return _error(401, "missing or wrong bearer token", "authentication_error")
@@ -69,8 +80,11 @@ class HttpApi:
 
     async def healthz(self, request: web.Request) -> web.Response:
         eligible = sum(1 for s in self.registry.backends.values() if s.eligible)
-        body = {"status": "ok" if eligible else "degraded", "eligible_backends": eligible,
-                "redis": "ok" if self.service.sessions.redis_ok else "down"}  # fmt: skip
+        body = {
+            "status": "ok" if eligible else "degraded",
+            "eligible_backends": eligible,
+            "redis": "ok" if self.service.sessions.redis_ok else "down",
+        }
         return web.json_response(body, status=200)
 
     async def prom(self, request: web.Request) -> web.Response:
@@ -81,16 +95,23 @@ class HttpApi:
             self.metrics.backend_inflight.labels(bid).set(s.inflight)
             if s.scraped is not None:
                 self.metrics.scrape_age.labels(bid).set(now - s.scraped.at)
-        return web.Response(body=generate_latest(self.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})  # fmt: skip
+        return web.Response(
+            body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "vllm"} for m in self.registry.models()]
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "vllm"} for m in self.registry.models()
+        ]
         return web.json_response({"object": "list", "data": data})
 
     async def backends(self, request: web.Request) -> web.Response:
-        return web.json_response({"backends": self.registry.describe(time.monotonic()),
-                                  "peers_version": self.registry.peers_version})  # fmt: skip
+        return web.json_response(
+            {
+                "backends": self.registry.describe(time.monotonic()),
+                "peers_version": self.registry.peers_version,
+            }
+        )
 
     async def peers(self, request: web.Request) -> web.Response:
         return web.json_response(self.registry.peers())
@@ -100,9 +121,9 @@ class HttpApi:
         try:
             data = await request.json()
         except ValueError:
-            return _error(400, "body must be JSON: {\"body\": {...}, \"headers\": {...}}")
+            return _error(400, 'body must be JSON: {"body": {...}, "headers": {...}}')
         if not isinstance(data, dict) or not isinstance(data.get("body"), dict):
-            return _error(400, "body must be JSON: {\"body\": {...}, \"headers\": {...}}")
+            return _error(400, 'body must be JSON: {"body": {...}, "headers": {...}}')
         headers = data.get("headers") if isinstance(data.get("headers"), dict) else {}
         f = feats.extract(data["body"], headers, self.config.routing.session_header)
         try:

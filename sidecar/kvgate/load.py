@@ -36,8 +36,14 @@ class LoadView:
         return self.known and (self.waiting >= max_waiting or self.kv_usage >= max_kv)
 
 
-def view(scraped: Scraped | None, inflight: int, inflight_tokens: int, now: float, stale_after: float,
-         unknown_requests: float) -> LoadView:  # fmt: skip
+def view(
+    scraped: Scraped | None,
+    inflight: int,
+    inflight_tokens: int,
+    now: float,
+    stale_after: float,
+    unknown_requests: float,
+) -> LoadView:
     """Combine a scrape and in-flight counts; ``unknown_requests`` stands in for missing stats."""
     if scraped is None or now - scraped.at > stale_after:
         return LoadView(max(unknown_requests, float(inflight)), inflight, inflight_tokens, 0.0, 0.0, False)

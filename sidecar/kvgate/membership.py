@@ -23,8 +23,16 @@ logger = logging.getLogger(__name__)
 
 
 def _encode(spec: BackendSpec, draining: bool) -> str:
-    return json.dumps({"id": spec.id, "url": spec.url, "weight": spec.weight, "labels": dict(spec.labels),
-                       "draining": draining}, sort_keys=True)  # fmt: skip
+    return json.dumps(
+        {
+            "id": spec.id,
+            "url": spec.url,
+            "weight": spec.weight,
+            "labels": dict(spec.labels),
+            "draining": draining,
+        },
+        sort_keys=True,
+    )
 
 
 def _decode(raw: str | bytes) -> tuple[BackendSpec, bool]:
@@ -34,8 +42,9 @@ def _decode(raw: str | bytes) -> tuple[BackendSpec, bool]:
 
 
 class Membership:
-    def __init__(self, client: aioredis.Redis | None, prefix: str, registry: Registry,
-                 metrics: SidecarMetrics) -> None:  # fmt: skip
+    def __init__(
+        self, client: aioredis.Redis | None, prefix: str, registry: Registry, metrics: SidecarMetrics
+    ) -> None:
         self.client = client
         self.hash_key = f"{prefix}:backends"
         self.version_key = f"{prefix}:backends:v"

@@ -111,8 +111,14 @@ def _with_fallbacks(primary: list[str], rest: list[str], limit: int) -> tuple[st
 
 
 def _load_order(snap: Snapshot) -> list[str]:
-    return sorted(snap.nodes, key=lambda n: (snap.nodes[n].load.requests / snap.nodes[n].weight,
-                                             snap.nodes[n].load.inflight_tokens, n))  # fmt: skip
+    return sorted(
+        snap.nodes,
+        key=lambda n: (
+            snap.nodes[n].load.requests / snap.nodes[n].weight,
+            snap.nodes[n].load.inflight_tokens,
+            n,
+        ),
+    )
 
 
 def round_robin(req: Request, snap: Snapshot, limit: int) -> Decision:
@@ -181,7 +187,9 @@ def kvgate(req: Request, snap: Snapshot, limit: int) -> Decision:
         reason = "ring" if walk and walk[0] == order[0] else "ring-bounded"
         primary = walk[:1]
     action = ("rebind" if rebinding else "bind") if has_key else None
-    return Decision(_with_fallbacks(primary, walk, limit), reason + (f"/rebind{why}" if rebinding else ""), action)
+    return Decision(
+        _with_fallbacks(primary, walk, limit), reason + (f"/rebind{why}" if rebinding else ""), action
+    )
 
 
 POLICIES: dict[PolicyName, Callable[[Request, Snapshot, int], Decision]] = {

@@ -91,8 +91,12 @@ class Registry:
             self._weights = weights
             self.peers_version += 1
             self.metrics.ring_rebuilds.inc()
-            logger.info("ring rebuilt over %d backend(s): %s (peers v%d)", len(eligible), ", ".join(eligible),
-                        self.peers_version)  # fmt: skip
+            logger.info(
+                "ring rebuilt over %d backend(s): %s (peers v%d)",
+                len(eligible),
+                ", ".join(eligible),
+                self.peers_version,
+            )
         for bid, s in self.backends.items():
             self.metrics.backend_healthy.labels(bid).set(1.0 if s.eligible else 0.0)
 
@@ -127,10 +131,16 @@ class Registry:
 
     def snapshot(self, model: str | None, now: float | None = None) -> Snapshot:
         now = time.monotonic() if now is None else now
-        chosen = [s for s in self.backends.values() if s.eligible and (model is None or not s.models
-                                                                        or model in s.models)]  # fmt: skip
-        known = [s.scraped.running + s.scraped.waiting for s in chosen
-                 if s.scraped is not None and now - s.scraped.at <= self.scrape.stale_after_s]  # fmt: skip
+        chosen = [
+            s
+            for s in self.backends.values()
+            if s.eligible and (model is None or not s.models or model in s.models)
+        ]
+        known = [
+            s.scraped.running + s.scraped.waiting
+            for s in chosen
+            if s.scraped is not None and now - s.scraped.at <= self.scrape.stale_after_s
+        ]
         unknown = max(known) if known else 0.0  # pessimistic stand-in for stale stats
         nodes = {s.spec.id: NodeView(s.spec.id, s.spec.weight, self.load_of(s, now, unknown)) for s in chosen}
         r = self.routing
@@ -148,8 +158,12 @@ class Registry:
 
     def peers(self) -> dict[str, object]:
         eligible = [s for s in self.backends.values() if s.eligible]
-        return {"v": self.peers_version,
-                "peers": [{"id": s.spec.id, "addr": s.spec.address} for s in sorted(eligible, key=lambda x: x.spec.id)]}  # fmt: skip
+        return {
+            "v": self.peers_version,
+            "peers": [
+                {"id": s.spec.id, "addr": s.spec.address} for s in sorted(eligible, key=lambda x: x.spec.id)
+            ],
+        }
 
     def address(self, bid: str) -> str:
         return self.backends[bid].spec.address
@@ -190,14 +204,27 @@ class Registry:
         for bid in sorted(self.backends):
             s = self.backends[bid]
             load = self.load_of(s, now, 0.0)
-            out.append({
-                "id": bid, "url": s.spec.url, "weight": s.spec.weight, "labels": dict(s.spec.labels),
-                "state": "draining" if s.draining else ("healthy" if s.healthy else "unhealthy"),
-                "models": sorted(s.models), "inflight": s.inflight, "inflight_tokens": s.inflight_tokens,
-                "load": {"known": load.known, "requests": load.requests, "waiting": load.waiting,
-                         "kv_usage": None if not load.known else load.kv_usage},
-                "spare_capacity": spare_capacity(s.spec.weight, load),
-                "scrape_age_s": None if s.scraped is None else round(now - s.scraped.at, 3),
-                "ttft_ewma_s": s.ttft_ewma, "errors": s.errors, "last_error": s.last_error,
-            })  # fmt: skip
+            out.append(
+                {
+                    "id": bid,
+                    "url": s.spec.url,
+                    "weight": s.spec.weight,
+                    "labels": dict(s.spec.labels),
+                    "state": "draining" if s.draining else ("healthy" if s.healthy else "unhealthy"),
+                    "models": sorted(s.models),
+                    "inflight": s.inflight,
+                    "inflight_tokens": s.inflight_tokens,
+                    "load": {
+                        "known": load.known,
+                        "requests": load.requests,
+                        "waiting": load.waiting,
+                        "kv_usage": None if not load.known else load.kv_usage,
+                    },
+                    "spare_capacity": spare_capacity(s.spec.weight, load),
+                    "scrape_age_s": None if s.scraped is None else round(now - s.scraped.at, 3),
+                    "ttft_ewma_s": s.ttft_ewma,
+                    "errors": s.errors,
+                    "last_error": s.last_error,
+                }
+            )
         return out

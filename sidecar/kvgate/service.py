@@ -37,8 +37,13 @@ class Outcome:
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Outcome:
         ttft = d.get("t")
-        return cls(int(d.get("i") or 0), str(d.get("b") or ""), int(d.get("s") or 0),
-                   float(ttft) if isinstance(ttft, int | float) else None, bool(d.get("x")))  # fmt: skip
+        return cls(
+            int(d.get("i") or 0),
+            str(d.get("b") or ""),
+            int(d.get("s") or 0),
+            float(ttft) if isinstance(ttft, int | float) else None,
+            bool(d.get("x")),
+        )
 
 
 class UnknownModel(Exception):
@@ -46,8 +51,14 @@ class UnknownModel(Exception):
 
 
 class DecisionService:
-    def __init__(self, config: Config, registry: Registry, sessions: SessionStore, index: PrefixIndex,
-                 metrics: SidecarMetrics) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: Config,
+        registry: Registry,
+        sessions: SessionStore,
+        index: PrefixIndex,
+        metrics: SidecarMetrics,
+    ) -> None:
         self.config = config
         self.registry = registry
         self.sessions = sessions
@@ -89,15 +100,28 @@ class DecisionService:
         self.registry.start(seq, primary, uncached, time.monotonic())
         self.metrics.decisions.labels(policy.value, decision.reason).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
-        out = {"i": seq, "c": list(decision.candidates),
-               "a": [self.registry.address(b) for b in decision.candidates],
-               "r": decision.reason, "k": f.key, "v": self.registry.peers_version}  # fmt: skip
-        self.recent.append({**out, "ks": f.key_source, "m": f.model, "h": list(f.hashes[:64]),
-                            "nh": len(f.hashes), "b": f.prompt_bytes, "p": policy.value})  # fmt: skip
+        out = {
+            "i": seq,
+            "c": list(decision.candidates),
+            "a": [self.registry.address(b) for b in decision.candidates],
+            "r": decision.reason,
+            "k": f.key,
+            "v": self.registry.peers_version,
+        }
+        self.recent.append(
+            {
+                **out,
+                "ks": f.key_source,
+                "m": f.model,
+                "h": list(f.hashes[:64]),
+                "nh": len(f.hashes),
+                "b": f.prompt_bytes,
+                "p": policy.value,
+            }
+        )
         return out
 
-    async def _record_session(self, f: Features, d: Decision, bound: str | None,
-                              eligible: Any) -> Decision:  # fmt: skip
+    async def _record_session(self, f: Features, d: Decision, bound: str | None, eligible: Any) -> Decision:
         if f.key is None:
             return d
         if d.reason == "session":

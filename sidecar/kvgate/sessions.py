@@ -64,8 +64,12 @@ class SessionStore:
 
     def _failed(self, exc: Exception, op: str) -> None:
         if time.monotonic() >= self._down_until:
-            logger.warning("redis %s failed (%s); routing from local memory for %.1fs", op, exc,
-                           self.config.retry_after_s)  # fmt: skip
+            logger.warning(
+                "redis %s failed (%s); routing from local memory for %.1fs",
+                op,
+                exc,
+                self.config.retry_after_s,
+            )
         self._down_until = time.monotonic() + self.config.retry_after_s
         self.metrics.redis_errors.labels(op).inc()
 

@@ -15,34 +15,79 @@ LONG = " ".join(f"word{i}" for i in range(900))
 SYSTEM = "You are a careful assistant. " * 40
 
 CASES = [
-    {"name": "chat, system + user, several chunks",
-     "body": {"model": "m", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": LONG}]}},
-    {"name": "chat, multi-turn",
-     "body": {"model": "m", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi " * 300},
-                                         {"role": "assistant", "content": "hello " * 200},
-                                         {"role": "user", "content": "more " * 100}]}},
-    {"name": "chat, content parts and unicode",
-     "body": {"messages": [{"role": "user", "content": [{"type": "text", "text": "héllo wörld ✓ " * 60},
-                                                        {"type": "image_url", "image_url": {"url": "x"}},
-                                                        {"type": "text", "text": "second part"}]}]}},
-    {"name": "chat, odd roles",
-     "body": {"model": "m", "messages": [{"content": "no role " * 80}, {"role": 5, "content": "x"}]}},
-    {"name": "session header wins", "headers": {"X-Session-ID": "abc-123"},
-     "body": {"model": "m", "user": "u1", "messages": [{"role": "user", "content": "x"}]}},
-    {"name": "user field", "body": {"model": "m", "user": "alice", "messages": [{"role": "user", "content": "x"}]}},
-    {"name": "completions, long prompt", "body": {"model": "m", "prompt": LONG + " " + LONG, "max_tokens": 5}},
+    {
+        "name": "chat, system + user, several chunks",
+        "body": {
+            "model": "m",
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": LONG}],
+        },
+    },
+    {
+        "name": "chat, multi-turn",
+        "body": {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "hi " * 300},
+                {"role": "assistant", "content": "hello " * 200},
+                {"role": "user", "content": "more " * 100},
+            ],
+        },
+    },
+    {
+        "name": "chat, content parts and unicode",
+        "body": {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "héllo wörld ✓ " * 60},
+                        {"type": "image_url", "image_url": {"url": "x"}},
+                        {"type": "text", "text": "second part"},
+                    ],
+                }
+            ]
+        },
+    },
+    {
+        "name": "chat, odd roles",
+        "body": {"model": "m", "messages": [{"content": "no role " * 80}, {"role": 5, "content": "x"}]},
+    },
+    {
+        "name": "session header wins",
+        "headers": {"X-Session-ID": "abc-123"},
+        "body": {"model": "m", "user": "u1", "messages": [{"role": "user", "content": "x"}]},
+    },
+    {
+        "name": "user field",
+        "body": {"model": "m", "user": "alice", "messages": [{"role": "user", "content": "x"}]},
+    },
+    {
+        "name": "completions, long prompt",
+        "body": {"model": "m", "prompt": LONG + " " + LONG, "max_tokens": 5},
+    },
     {"name": "completions, short prompt", "body": {"model": "m", "prompt": "short prompt", "max_tokens": 5}},
     {"name": "completions, list of one", "body": {"model": "m", "prompt": [LONG]}},
     {"name": "empty", "body": {"model": "m", "messages": []}},
-]  # fmt: skip
+]
 
 
 def main() -> None:
     out = []
     for case in CASES:
         f = extract(case["body"], case.get("headers"))
-        out.append({**case, "expected": {"k": f.key, "ks": f.key_source, "h": list(f.hashes), "b": f.prompt_bytes,
-                                         "m": f.model}})  # fmt: skip
+        out.append(
+            {
+                **case,
+                "expected": {
+                    "k": f.key,
+                    "ks": f.key_source,
+                    "h": list(f.hashes),
+                    "b": f.prompt_bytes,
+                    "m": f.model,
+                },
+            }
+        )
     path = Path(__file__).with_name("features.json")
     path.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {len(out)} cases to {path}")

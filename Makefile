@@ -1,0 +1,50 @@
+# kvgate: one entry point for setup, the demo, tests and checks (the same locally and in CI).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+APT_PACKAGES := nginx-light libnginx-mod-http-lua lua-resty-core lua-resty-lrucache lua-cjson \
+                redis-server lua-check prometheus python3-venv
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup demo test test-docker check fmt clean
+
+setup: .setup-apt.stamp $(VENV)/.installed
+
+# System packages: Nginx with the Lua module, Redis, luacheck, promtool. Quiet when already there.
+.setup-apt.stamp: Makefile
+	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
+		echo "installing system packages: $(APT_PACKAGES)"; \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(APT_PACKAGES) >/dev/null; \
+	fi
+	@touch $@
+
+$(VENV)/.installed: pyproject.toml
+	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip 2>/dev/null
+	@$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+demo: setup
+	$(VENV)/bin/kvgate up
+
+test: setup
+	$(PY) -m pytest
+
+check: setup
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	luacheck --std ngx_lua --codes lua/
+
+fmt: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf .run .setup-apt.stamp $(VENV) *.egg-info
+
+# Container tests (testcontainers) need a Docker engine; they are not part of `make test`.
+test-docker: setup
+	$(PY) -m pytest -m docker

@@ -1,0 +1,1 @@
+"""kvgate bench: trace replay and side-by-side comparison of routing policies and peer routers."""

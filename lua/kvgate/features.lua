@@ -1,0 +1,115 @@
+-- Request features for routing, computed from the decoded body. Lua twin of
+-- sidecar/kvgate/features.py: both are checked against tests/golden/features.json.
+--
+-- text:   chat -> role .. ":" .. content .. "\n" per message (text parts joined by " ");
+--         completions -> the prompt string.
+-- hashes: h_i = md5(h_{i-1} .. chunk_i), first 16 hex digits, over full CHUNK_BYTES chunks.
+-- key:    session header (h:), OpenAI user field (u:), else derived from leading content (p:).
+
+local ngx_md5     = ngx.md5
+local type        = type
+local concat      = table.concat
+local str_sub     = string.sub
+local math_floor  = math.floor
+local math_min    = math.min
+
+local CHUNK_BYTES = 512
+local MAX_CHUNKS  = 1024
+local KEY_BYTES   = 1024
+local KEY_CHUNKS  = 16
+
+local _M = { _VERSION = "0.1.0", CHUNK_BYTES = CHUNK_BYTES }
+
+local function md5_16(s)
+    return str_sub(ngx_md5(s), 1, 16)
+end
+
+local function content_text(content)
+    if type(content) == "string" then
+        return content
+    end
+    if type(content) == "table" then
+        local parts, n = {}, 0
+        for _, part in ipairs(content) do
+            if type(part) == "table" and part.type == "text" then
+                n = n + 1
+                parts[n] = type(part.text) == "string" and part.text or ""
+            end
+        end
+        return concat(parts, " ")
+    end
+    return ""
+end
+
+-- Returns the canonical text and the text the derived key hashes (nil for completions).
+local function canonical(body)
+    local messages = body.messages
+    if type(messages) == "table" then
+        local parts, n, first_user = {}, 0, nil
+        for _, m in ipairs(messages) do
+            if type(m) == "table" then
+                local text = content_text(m.content)
+                local role = type(m.role) == "string" and m.role or ""
+                n = n + 1
+                parts[n] = role .. ":" .. text .. "\n"
+                if first_user == nil and role == "user" then
+                    first_user = text
+                end
+            end
+        end
+        return concat(parts), first_user
+    end
+    local prompt = body.prompt
+    if type(prompt) == "table" and #prompt == 1 then
+        prompt = prompt[1]
+    end
+    return type(prompt) == "string" and prompt or "", nil
+end
+
+local function chunk_hashes(text)
+    local hashes = {}
+    local n = math_min(math_floor(#text / CHUNK_BYTES), MAX_CHUNKS)
+    local prev = ""
+    for i = 1, n do
+        local start = (i - 1) * CHUNK_BYTES + 1
+        local h = md5_16(prev .. str_sub(text, start, start + CHUNK_BYTES - 1))
+        hashes[i] = h
+        prev = h
+    end
+    return hashes
+end
+
+-- body: decoded JSON table; session_value: the session header's value or nil.
+function _M.extract(body, session_value)
+    local text, first_user = canonical(body)
+    local hashes = chunk_hashes(text)
+    local key, source
+    local user = body.user
+    if type(session_value) == "string" and session_value ~= "" then
+        key, source = "h:" .. session_value, "header"
+    elseif type(user) == "string" and user ~= "" then
+        key, source = "u:" .. user, "user"
+    elseif first_user ~= nil then
+        key, source = "p:" .. md5_16(str_sub(first_user, 1, KEY_BYTES)), "prefix"
+    elseif #hashes > 0 then
+        key, source = "p:" .. hashes[math_min(#hashes, KEY_CHUNKS)], "prefix"
+    elseif #text > 0 then
+        key, source = "p:" .. md5_16(text), "prefix"
+    else
+        source = "none"
+    end
+    local model = body.model
+    if type(model) ~= "string" or model == "" then
+        model = nil
+    end
+    local mt = body.max_completion_tokens
+    if mt == nil then
+        mt = body.max_tokens
+    end
+    if type(mt) ~= "number" then
+        mt = nil
+    end
+    return { m = model, k = key, ks = source, h = hashes, b = #text, mt = mt }
+end
+
+return _M

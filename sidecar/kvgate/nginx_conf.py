@@ -1,0 +1,111 @@
+"""Renders kvgate's Nginx files from ``nginx/*.in`` templates.
+
+Two uses: a standalone gateway (``nginx.conf`` + includes, run by ``kvgate up`` under its own prefix
+and ports), and a drop-in for an existing Nginx edge (only the include files; see README).
+"""
+
+from __future__ import annotations
+
+import getpass
+import grp
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the project checkout: nginx/, lua/ live here
+DEBIAN_MODULES = (
+    "/usr/lib/nginx/modules/ndk_http_module.so",
+    "/usr/lib/nginx/modules/ngx_http_lua_module.so",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class NginxSettings:
+    listen: str = "127.0.0.1:8080"
+    socket: str = ".run/kvgate-sidecar.sock"
+    run_dir: str = ".run"
+    workers: int = 2
+    decision_timeout_ms: int = 50
+    session_header: str = "X-Session-ID"
+    route_headers: bool = True
+    max_tries: int = 3
+    retry_deadline: str = "10s"
+    connect_timeout: str = "2s"
+    read_timeout: str = "600s"
+    client_max_body_size: str = "16m"
+    client_body_buffer_size: str = "4m"
+    access_log: bool = False
+    lua_dir: str = str(ROOT / "lua")  # where the gateway will find lua/kvgate/*.lua
+
+
+def find_nginx() -> str:
+    for name in ("openresty", "nginx"):
+        path = shutil.which(name) or (f"/usr/sbin/{name}" if os.path.exists(f"/usr/sbin/{name}") else None)
+        if path:
+            return path
+    raise FileNotFoundError("no nginx or openresty binary found; run `make setup`")
+
+
+def _needs_modules(nginx: str) -> bool:
+    """Debian's nginx loads the Lua module dynamically; OpenResty has it built in."""
+    out = subprocess.run([nginx, "-V"], capture_output=True, text=True, timeout=10, check=False)
+    return "openresty" not in (out.stderr + out.stdout).lower()
+
+
+def _user_directive() -> str:
+    # Only a root master switches users; run workers as the invoking user so they can reach the
+    # sidecar's socket (root's default for workers, nobody, cannot).
+    if os.geteuid() != 0:
+        return ""
+    return f"user {getpass.getuser()} {grp.getgrgid(os.getegid()).gr_name};"
+
+
+def render(
+    settings: NginxSettings,
+    out_dir: Path,
+    standalone: bool = True,
+    nginx: str | None = None,
+    openresty: bool | None = None,
+) -> Path:
+    """Write the include files (and nginx.conf when standalone) to ``out_dir``; returns the main file."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(settings.run_dir).resolve()
+    values = {
+        "lua_dir": settings.lua_dir,
+        "socket": str(Path(settings.socket).resolve()),
+        "decision_timeout_ms": str(settings.decision_timeout_ms),
+        "session_header": settings.session_header,
+        "route_headers": "true" if settings.route_headers else "false",
+        "max_tries": str(settings.max_tries),
+        "retry_deadline": settings.retry_deadline,
+        "connect_timeout": settings.connect_timeout,
+        "read_timeout": settings.read_timeout,
+        "client_max_body_size": settings.client_max_body_size,
+        "client_body_buffer_size": settings.client_body_buffer_size,
+        "conf_dir": str(out_dir.absolute()),
+        "listen": settings.listen,
+        "workers": str(settings.workers),
+        "run_dir": str(run_dir),
+        "access_log": f"{run_dir}/nginx-access.log" if settings.access_log else "off",
+        "user_directive": _user_directive(),
+        "load_modules": "",
+    }
+    names = ["kvgate-http.conf", "kvgate-server.conf", "kvgate-proxy.conf"]
+    if standalone:
+        if openresty is None:
+            openresty = not _needs_modules(nginx or find_nginx())
+        if not openresty:
+            values["load_modules"] = "\n".join(
+                f"load_module {m};" for m in DEBIAN_MODULES if os.path.exists(m)
+            )
+        names.append("nginx.conf")
+        for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (run_dir / "nginx-tmp" / sub).mkdir(parents=True, exist_ok=True)
+    for name in names:
+        text = (ROOT / "nginx" / f"{name}.in").read_text()
+        # Only ${name} is ours; Nginx's own $variables pass through untouched.
+        (out_dir / name).write_text(re.sub(r"\$\{(\w+)\}", lambda m: values[m.group(1)], text))
+    return out_dir / names[-1]

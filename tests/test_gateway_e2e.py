@@ -1,0 +1,336 @@
+"""End to end: the official openai client -> real Nginx with the project's Lua -> real sidecar and
+redis-server -> simulated vLLM backends over HTTP. Every failure is provoked for real."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from kvgate.stack import Stack, free_port
+
+from tests.conftest import MODEL, http_json, wait_until
+from tests.helpers import Gateway, chat, start_backends
+
+pytestmark = pytest.mark.e2e
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "features.json").read_text())
+
+
+class Env:
+    def __init__(self, stack: Stack, replicas: int = 1, n: int = 3, **kw: Any) -> None:
+        self.stack = stack
+        self.redis_port = free_port()
+        stack.start_redis(self.redis_port)
+        self.sim_port = start_backends(stack, n)
+        self.n = n
+        self.gateways = [
+            Gateway(stack, f"gw{i}", self.redis_port, self.sim_port, n, **kw) for i in range(replicas)
+        ]
+        self.gw = self.gateways[0]
+
+    def backend_url(self, bid: str) -> str:
+        return f"http://127.0.0.1:{self.sim_port + int(bid.rsplit('-', 1)[1])}"
+
+    def fault(self, bid: str, **faults: Any) -> None:
+        assert http_json("POST", self.backend_url(bid) + "/sim/faults", faults)[0] == 200
+
+
+class Resp:
+    def __init__(self, status: int, headers: Any, body: bytes) -> None:
+        self.status_code = status
+        self.headers = headers
+        self.text = body.decode(errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+
+def raw_post(url: str, data: bytes, headers: dict[str, str] | None = None, timeout: float = 20) -> Resp:
+    req = urllib.request.Request(
+        url, data=data, method="POST", headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return Resp(resp.status, resp.headers, resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            return Resp(exc.code, exc.headers, exc.read())
+        finally:
+            exc.close()
+
+
+def post(
+    url: str, body: Any, headers: dict[str, str] | None = None, path: str = "/v1/chat/completions"
+) -> Resp:
+    return raw_post(url + path, json.dumps(body).encode(), headers)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=20)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    stack = Stack(tmp_path_factory.mktemp("e2e") / "run")
+    try:
+        yield Env(stack, replicas=2, client_max_body_size="256k")
+    finally:
+        stack.stop_all()
+
+
+@pytest.fixture
+def fresh(stack: Stack) -> Env:
+    """A private stack for tests that kill or stop parts of it."""
+    return Env(stack)
+
+
+def test_openai_client_chat_and_completions_stream_and_not(env: Env) -> None:
+    c = client(env.gw.url)
+    r = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=6,
+        extra_body={"ignore_eos": True},
+    )
+    assert len(r.choices[0].message.content.split()) == 6 and r.usage.completion_tokens == 6
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) == 5
+    assert chunks[-1].usage.completion_tokens == 5
+    t = c.completions.create(
+        model=MODEL, prompt="one two three", max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    assert len(t.choices[0].text.split()) == 3
+    s = list(
+        c.completions.create(
+            model=MODEL, prompt="one two three", max_tokens=3, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    assert "".join(x.choices[0].text for x in s) == t.choices[0].text
+    models = c.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_streaming_is_not_buffered(env: Env) -> None:
+    """Tokens reach the client one engine step at a time, not at the end."""
+    times = []
+    t0 = time.perf_counter()
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 40, "stream": True, "ignore_eos": True})
+    req = urllib.request.Request(
+        env.gw.url + "/v1/completions",
+        data=body.encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=20) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                times.append(time.perf_counter() - t0)
+    assert len(times) == 40
+    assert times[-1] - times[0] > 0.15  # ~39 steps of ~7.4 ms arrive spread out
+
+
+def test_route_headers_name_backend_and_reason(env: Env) -> None:
+    r = post(env.gw.url, chat(1000, 1))
+    assert r.status_code == 200
+    assert r.headers["X-Kvgate-Backend"].startswith("sim-") and r.headers["X-Kvgate-Route"]
+
+
+@pytest.mark.parametrize("how", ["header", "user", "conversation"])
+def test_a_session_sticks_across_turns_and_replicas(env: Env, how: str) -> None:
+    seen = set()
+    for turn in range(1, 6):
+        body = chat(hash(how) % 10_000, turn)
+        headers = {}
+        if how == "header":
+            headers["X-Session-ID"] = "sess-42"
+        elif how == "user":
+            body["user"] = "user-42"
+        gw = env.gateways[turn % 2]  # alternate between the two replicas
+        r = post(gw.url, body, headers)
+        assert r.status_code == 200, r.text
+        seen.add(r.headers["X-Kvgate-Backend"])
+        if turn > 1:
+            assert r.headers["X-Kvgate-Route"] == "session"
+    assert len(seen) == 1
+
+
+def test_many_conversations_spread_over_backends(env: Env) -> None:
+    backends = {post(env.gw.url, chat(5000 + i, 1)).headers["X-Kvgate-Backend"] for i in range(30)}
+    assert len(backends) == env.n
+
+
+def test_lua_features_match_the_python_twin(env: Env) -> None:
+    """Nginx computes the same key and chunk hashes as kvgate.features for every golden case."""
+    for case in GOLDEN:
+        if not case["body"].get("messages") and "prompt" not in case["body"]:
+            continue
+        body = {**case["body"], "model": MODEL, "max_tokens": 1}
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = post(env.gw.url, body, case.get("headers"), path)
+        assert r.status_code in (200, 400), r.text
+        _, recent = env.gw.sidecar.admin("GET", "/debug/decisions")
+        last = recent["decisions"][-1]
+        exp = case["expected"]
+        assert (last["k"], last["ks"], last["h"], last["nh"], last["b"]) == (
+            exp["k"],
+            exp["ks"],
+            exp["h"][:64],
+            len(exp["h"]),
+            exp["b"],
+        ), case["name"]
+
+
+def test_gateway_errors_are_openai_json(env: Env) -> None:
+    r = raw_post(env.gw.url + "/v1/chat/completions", b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    r = raw_post(env.gw.url + "/v1/chat/completions", b"")
+    assert r.status_code == 400 and "error" in r.json()
+    r = post(env.gw.url, {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 300_000}]}
+    r = post(env.gw.url, big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    status, body = http_json("GET", env.gw.url + "/v1/nothing-here")
+    assert status == 404 and body["error"]["code"] == 404
+    with pytest.raises(openai.NotFoundError):
+        client(env.gw.url).chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_backend_down_before_the_request_is_retried_elsewhere(fresh: Env) -> None:
+    headers = {"X-Session-ID": "retry-me"}
+    first = post(fresh.gw.url, chat(1, 1), headers)
+    home = first.headers["X-Kvgate-Backend"]
+    fresh.fault(home, refuse_for_s=3.0)
+    time.sleep(0.2)
+    r = post(fresh.gw.url, chat(1, 2), headers)
+    assert r.status_code == 200 and r.headers["X-Kvgate-Backend"] != home
+    # A backend answering 503 is also skipped before the client sees anything.
+    other = r.headers["X-Kvgate-Backend"]
+    fresh.fault(other, fail_rate=1.0, fail_status=503)
+    r = post(fresh.gw.url, chat(1, 3), headers)
+    assert r.status_code == 200 and r.headers["X-Kvgate-Backend"] not in (other,)
+
+
+def test_backend_aborting_mid_stream_gives_a_clean_error_and_no_hang(fresh: Env) -> None:
+    for i in range(fresh.n):
+        fresh.fault(f"sim-{i}", abort_after_tokens=3)
+    t0 = time.perf_counter()
+    got = []
+    with pytest.raises(openai.APIError):  # the stream ends with a transport error
+        for ch in client(fresh.gw.url).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=50,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ):
+            got.append(ch)
+    assert 1 <= len(got) <= 4 and time.perf_counter() - t0 < 5
+
+
+def test_all_backends_failing_gives_502_json(fresh: Env) -> None:
+    for i in range(fresh.n):
+        fresh.fault(f"sim-{i}", fail_rate=1.0, fail_status=502)
+    r = post(fresh.gw.url, chat(2, 1))
+    assert r.status_code == 502 and r.json()["error"]["code"] == 502
+
+
+def test_no_healthy_backend_gives_503_json(fresh: Env) -> None:
+    for i in range(fresh.n):
+        fresh.fault(f"sim-{i}", unhealthy=True)
+    wait_until(
+        lambda: all(b["state"] == "unhealthy" for b in fresh.gw.sidecar.backends().values()), timeout=5
+    )
+    wait_until(
+        lambda: http_json("GET", fresh.gw.url + "/kvgate/health")[1]["fail_open_peers"] == 0, timeout=5
+    )
+    r = post(fresh.gw.url, chat(3, 1))
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503
+
+
+def test_sidecar_killed_fails_open_then_decisions_resume(fresh: Env) -> None:
+    sc = fresh.gw.sidecar
+    fresh.stack.kill(sc.name)
+    routes = set()
+    for i in range(10):
+        r = post(fresh.gw.url, chat(100 + i, 1))
+        assert r.status_code == 200
+        routes.add(r.headers["X-Kvgate-Route"])
+    assert routes == {"fail-open"}
+    # Fail-open still keeps a conversation on one backend (rendezvous hash of its key).
+    same = {post(fresh.gw.url, chat(7, t)).headers["X-Kvgate-Backend"] for t in range(1, 4)}
+    assert len(same) == 1
+    sc.start()
+    wait_until(lambda: post(fresh.gw.url, chat(200, 1)).headers["X-Kvgate-Route"] != "fail-open", timeout=10)
+
+
+def test_sidecar_hanging_costs_at_most_the_decision_timeout(fresh: Env) -> None:
+    import os
+    import signal
+
+    sc = fresh.gw.sidecar
+    proc = fresh.stack.procs[sc.name]
+    os.kill(proc.pid, signal.SIGSTOP)  # accepts connections (kernel backlog) but never answers
+    try:
+        t0 = time.perf_counter()
+        r = post(fresh.gw.url, chat(300, 1))
+        assert r.status_code == 200 and r.headers["X-Kvgate-Route"] == "fail-open"
+        assert time.perf_counter() - t0 < 1.0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_redis_stopped_keeps_serving_and_bindings_resume(fresh: Env) -> None:
+    fresh.stack.stop("redis")
+    for turn in range(1, 4):
+        r = post(fresh.gw.url, chat(400, turn), {"X-Session-ID": "redis-down"})
+        assert r.status_code == 200
+    fresh.stack.start_redis(fresh.redis_port)
+    import redis
+
+    r = redis.Redis(port=fresh.redis_port, socket_timeout=2)
+    wait_until(
+        lambda: (
+            post(fresh.gw.url, chat(401, 1), {"X-Session-ID": "after"}).status_code == 200
+            and r.get("kvgate:s:h:after") is not None
+        ),
+        timeout=10,
+    )
+    assert r.get("kvgate:s:h:redis-down") is not None  # written back after recovery
+    r.close()
+
+
+def test_nginx_never_logs_lua_errors(env: Env) -> None:
+    for gw in env.gateways:
+        text = gw.error_log.read_text() if gw.error_log.exists() else ""
+        assert "lua entry thread aborted" not in text and "runtime error" not in text, text[-2000:]
+
+
+def test_headers_can_be_switched_off(stack: Stack) -> None:
+    e = Env(stack, n=1, route_headers=False)
+    r = post(e.gw.url, chat(1, 1))
+    assert r.status_code == 200 and "X-Kvgate-Backend" not in r.headers
+
+
+def test_keepalive_connection_reuse_to_backends(env: Env) -> None:
+    with socket.create_connection(("127.0.0.1", env.gw.port)):
+        pass
+    for i in range(5):
+        assert post(env.gw.url, chat(9000 + i, 1)).status_code == 200
