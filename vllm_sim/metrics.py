@@ -4,7 +4,8 @@ Gauges and counters are read from the engine at scrape time by a custom collecto
 drift from the engine's state; latency histograms are observed as requests progress. Both the 0.11
 names and the 0.8-0.10 names (gpu_cache_usage_perc, gpu_prefix_cache_*, time_per_output_token) are
 emitted so old and new readers both work. Histogram values are in simulated seconds, which is what
-the same workload would show on real hardware; ``vllm_sim:step_lag_seconds`` is in wall seconds.
+the same workload would show on real hardware. The simulator-only ``vllm_sim:step_lag_seconds`` gauge
+and its two companion counters (which give the exact lag ratio over an interval) are in wall seconds.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ LABELS = ("model_name", "engine")
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: Engine, model: str, lag: Callable[[], float]) -> None:
+    def __init__(self, engine: Engine, model: str, lag: Callable[[], tuple[float, float, float]]) -> None:
         self.engine = engine
         self.labels = [model, "0"]
         self.lag = lag
@@ -171,14 +172,26 @@ class _EngineCollector(Collector):
             "time over the last 2 s of wall time.",
             labels=LABELS,
         )
-        lag.add_metric(self.labels, self.lag())
+        window_max, total_lag, total_busy = self.lag()
+        lag.add_metric(self.labels, window_max)
         yield lag
+        # The exact ratio a benchmark needs: wall seconds steps ended late over wall seconds of steps.
+        yield self._counter(
+            "vllm_sim:step_overrun_seconds",
+            "Simulator only: wall time the step schedule lost to a loop that fell behind.",
+            total_lag,
+        )
+        yield self._counter(
+            "vllm_sim:step_busy_seconds",
+            "Simulator only: total scheduled duration of engine steps (wall s).",
+            total_busy,
+        )
 
 
 class InstanceMetrics:
     """The registry of one instance plus the histograms its request handlers observe."""
 
-    def __init__(self, engine: Engine, model: str, lag: Callable[[], float]) -> None:
+    def __init__(self, engine: Engine, model: str, lag: Callable[[], tuple[float, float, float]]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model, lag))
 

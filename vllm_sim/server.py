@@ -55,8 +55,10 @@ class Instance:
         self._reopen: asyncio.Task[None] | None = None
         self._refusing = False
 
-    def _lag(self) -> float:
-        return self.loop.step_lag() if self.loop else 0.0
+    def _lag(self) -> tuple[float, float, float]:
+        if self.loop is None:
+            return 0.0, 0.0, 0.0
+        return self.loop.step_lag(), self.loop.total_lag_s, self.loop.total_step_s
 
     # -- lifecycle --------------------------------------------------------------------------------
     def app(self) -> web.Application:
