@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -12,30 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvgate.stack import Stack, free_port
+from kvgate.stack import Stack
 
 MODEL = "sim-model"
-
-
-def free_ports(n: int) -> int:
-    """First of n consecutive free ports (vllm-sim --instances serves port..port+n-1)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports found")
 
 
 def http_json(
@@ -63,8 +41,11 @@ def http_json(
 def wait_until(cond: Callable[[], bool], timeout: float = 10.0, every: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if cond():
-            return
+        try:
+            if cond():
+                return
+        except OSError:
+            pass  # not listening yet: keep waiting
         time.sleep(every)
     raise AssertionError(f"condition not met within {timeout}s")
 

@@ -2,45 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import socket
 from pathlib import Path
 from typing import Any
 
-from kvgate.features import extract
-from kvgate.stack import Stack, free_port
+from kvgate.decision_client import DecisionClient
+from kvgate.stack import Stack, free_port, free_ports
 
-from tests.conftest import MODEL, free_ports, http_json, wait_until
-
-
-class DecisionClient:
-    """Line-protocol client on the sidecar's unix socket (what lua/kvgate/sidecar.lua speaks)."""
-
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.settimeout(5)
-        self.sock.connect(str(path))
-        self.file = self.sock.makefile("rwb")
-
-    def call(self, msg: dict[str, Any], reply: bool = True) -> Any:
-        self.file.write(json.dumps(msg).encode() + b"\n")
-        self.file.flush()
-        return json.loads(self.file.readline()) if reply else None
-
-    def decide_body(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
-        f = extract(body, headers)
-        wire = {"m": f.model, "k": f.key, "ks": f.key_source, "h": list(f.hashes), "b": f.prompt_bytes}
-        return dict(self.call({"op": "decide", "f": wire}))
-
-    def finish(self, decision: dict[str, Any], status: int = 200) -> None:
-        self.call(
-            {"op": "report", "o": [{"i": decision["i"], "b": decision["c"][0], "s": status, "x": True}]},
-            reply=False,
-        )
-
-    def close(self) -> None:
-        self.file.close()
-        self.sock.close()
+from tests.conftest import MODEL, http_json, wait_until
 
 
 def sidecar_config(

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import openai
 import pytest
-from kvgate.stack import Stack
+from kvgate.stack import Stack, free_ports
 
-from tests.conftest import MODEL, free_ports, http_json, require_binary, wait_until
+from tests.conftest import MODEL, http_json, require_binary, wait_until
 
 
 @pytest.fixture(scope="module")

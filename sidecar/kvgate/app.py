@@ -83,6 +83,7 @@ async def _scrape_round(
     ]
     await asyncio.gather(*jobs)
     registry.expire_inflight(time.monotonic())
+    registry.changed()  # new load figures: decisions rebuild their snapshot once
 
 
 async def scrape_loop(
@@ -141,6 +142,7 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
             asyncio.create_task(
                 membership_loop(membership, config.scrape.membership_refresh_s), name="membership"
             ),
+            asyncio.create_task(sessions.refresh_loop(), name="session-ttls"),
         ]
         yield
         for t in tasks:

@@ -47,12 +47,14 @@ class Features:
     def from_wire(cls, d: Mapping[str, Any]) -> Features:
         """Features as Lua sends them: ``{m, k, ks, h, b, mt}``."""
         hashes = d.get("h") or ()
+        if not isinstance(hashes, list | tuple) or not all(isinstance(h, str) for h in hashes):
+            raise ValueError("h must be a list of hash strings")
         mt = d.get("mt")
         return cls(
             model=d.get("m") or None,
             key=d.get("k") or None,
             key_source=str(d.get("ks") or "none"),
-            hashes=tuple(str(h) for h in hashes),
+            hashes=tuple(hashes),
             prompt_bytes=int(d.get("b") or 0),
             max_tokens=int(mt) if isinstance(mt, int) else None,
         )

@@ -17,9 +17,10 @@ fallbacks) and a short reason code that Nginx puts in ``X-Kvgate-Route``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -53,24 +54,37 @@ class Snapshot:
     load_factor: float = 1.25
     saturation_waiting: int = 8
     saturation_kv: float = 0.95
+    # Live in-flight counts of this sidecar, read-only here: the node views are cached between scrape
+    # rounds, while these move with every decision and report.
+    inflight: Mapping[str, int] = field(default_factory=dict)
+    inflight_tokens: Mapping[str, int] = field(default_factory=dict)
 
-    def walk(self, key: str) -> list[str]:
+    total_weight: float = field(init=False, default=1.0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total_weight", sum(n.weight for n in self.nodes.values()) or 1.0)
+
+    def requests(self, node: str) -> float:
+        """Running + waiting at the last scrape, or this sidecar's in-flight count if higher."""
+        return max(self.nodes[node].load.requests, float(self.inflight.get(node, 0)))
+
+    def walk(self, key: str) -> Iterator[str]:
         """Eligible nodes in ring order from ``key`` (the ring spans every backend of every model)."""
-        return [n for n in self.ring.walk(key) if n in self.nodes]
+        return (n for n in self.ring.walk(key) if n in self.nodes)
 
     def saturated(self, node: str) -> bool:
         return self.nodes[node].load.saturated(self.saturation_waiting, self.saturation_kv)
 
     def bound_admits(self) -> Callable[[str], bool]:
         """Bounded-load test: a node may take one more request while under c x its fair share."""
-        total = sum(n.load.requests for n in self.nodes.values())
-        weights = sum(n.weight for n in self.nodes.values()) or 1.0
+        total = sum(self.requests(n) for n in self.nodes)
+        weights = self.total_weight
         c = self.load_factor
 
         def admits(node: str) -> bool:
             v = self.nodes[node]
             cap = math.ceil(c * (total + 1) * v.weight / weights)
-            return v.load.requests + 1 <= cap and not self.saturated(node)
+            return self.requests(node) + 1 <= cap and not self.saturated(node)
 
         return admits
 
@@ -114,8 +128,8 @@ def _load_order(snap: Snapshot) -> list[str]:
     return sorted(
         snap.nodes,
         key=lambda n: (
-            snap.nodes[n].load.requests / snap.nodes[n].weight,
-            snap.nodes[n].load.inflight_tokens,
+            snap.requests(n) / snap.nodes[n].weight,
+            snap.inflight_tokens.get(n, 0),
             n,
         ),
     )
@@ -138,7 +152,7 @@ def least_load(req: Request, snap: Snapshot, limit: int) -> Decision:
 
 
 def consistent_hash(req: Request, snap: Snapshot, limit: int) -> Decision:
-    return Decision(tuple(snap.walk(_ring_key(req))[:limit]), "ring")
+    return Decision(tuple(itertools.islice(snap.walk(_ring_key(req)), limit)), "ring")
 
 
 def _best_prefix(req: Request, snap: Snapshot, admits: Callable[[str], bool]) -> list[str]:
@@ -154,6 +168,8 @@ def _best_prefix(req: Request, snap: Snapshot, admits: Callable[[str], bool]) ->
     ok = [n for n in holders if admits(n)]
     if not ok:
         return []
+    if len(ok) == 1:
+        return ok
     ring_rank = {n: i for i, n in enumerate(snap.walk(_ring_key(req)))}
     return sorted(ok, key=lambda n: ring_rank.get(n, len(ring_rank)))
 
@@ -165,11 +181,26 @@ def prefix(req: Request, snap: Snapshot, limit: int) -> Decision:
     return Decision(tuple(_load_order(snap)[:limit]), "least_load")
 
 
+def _bounded_walk(
+    snap: Snapshot, key: str, admits: Callable[[str], bool], limit: int
+) -> tuple[list[str], str]:
+    """Up to ``limit`` under-bound nodes in ring order, then the over-bound ones met on the way;
+    plus the key's owner. Stops early, so a 1,000-node ring costs a few nodes, not all of them."""
+    ok: list[str] = []
+    over: list[str] = []
+    owner = ""
+    for n in snap.walk(key):
+        owner = owner or n
+        (ok if admits(n) else over).append(n)
+        if len(ok) >= limit:
+            break
+    return ok + over, owner
+
+
 def kvgate(req: Request, snap: Snapshot, limit: int) -> Decision:
     admits = snap.bound_admits()
     key = _ring_key(req)
-    order = snap.walk(key)
-    walk = [n for n in order if admits(n)] + [n for n in order if not admits(n)]
+    walk, owner = _bounded_walk(snap, key, admits, limit)
     has_key = req.features.key is not None
     bound = req.bound
     # Sticky until saturated: a bound session stays put unless its node queues or runs out of KV
@@ -184,7 +215,7 @@ def kvgate(req: Request, snap: Snapshot, limit: int) -> Decision:
     if best:
         reason, primary = "prefix", best
     else:
-        reason = "ring" if walk and walk[0] == order[0] else "ring-bounded"
+        reason = "ring" if walk and walk[0] == owner else "ring-bounded"
         primary = walk[:1]
     action = ("rebind" if rebinding else "bind") if has_key else None
     return Decision(

@@ -60,9 +60,11 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[str], eligible: Collection[str]) -> Match:
         """Leading chunks each eligible backend probably holds, and how many are widely shared."""
-        alive: set[str] | None = None
+        alive: set[str] = set()
+        last_nodes: tuple[str, ...] | None = None
         depth: dict[str, int] = {}
         shared = 0
+        i = 0
         for i, h in enumerate(hashes):
             entry = self._get(h)
             if entry is None:
@@ -70,31 +72,47 @@ class PrefixIndex:
             nodes, fanout = entry
             if fanout >= HOT_FANOUT:
                 shared = i + 1
-            here = {n for n in nodes if n in eligible}
-            alive = here if alive is None else alive & here
-            if not alive:
-                # Nobody holds this chunk, but a deeper branching point still marks shared text.
-                continue
-            for n in alive:
-                depth[n] = i + 1
-        return Match(depth, shared)
+            if nodes != last_nodes:
+                # Holders only change where conversations branch; between branches the walk is one
+                # dict lookup per chunk.
+                here = (
+                    {n for n in nodes if n in eligible} if last_nodes is None else alive.intersection(nodes)
+                )
+                for gone in alive - here:
+                    depth[gone] = i
+                alive = here
+                last_nodes = nodes
+        else:
+            i = len(hashes)
+        for n in alive:
+            depth[n] = i
+        return Match({n: d for n, d in depth.items() if d > 0}, shared)
 
     def record(self, hashes: Sequence[str], node: str) -> None:
         """Remember that ``node`` was sent (and so will cache) every chunk of ``hashes``."""
-        parent: str | None = None
-        for h in hashes:
-            entry = self._current.get(h) or self._previous.get(h)
+        current, previous = self._current, self._previous
+        for i, h in enumerate(hashes):
+            entry = current.get(h) or previous.get(h)
             if entry is None:
-                self._put(h, ((node,), 0))
-                if parent is not None:
-                    # A chunk never seen before is a new continuation of its parent.
-                    holders, fanout = self._current.get(parent) or self._previous.get(parent) or ((), 0)
-                    if fanout < HOT_FANOUT:
-                        self._put(parent, (holders, fanout + 1))
-            else:
-                nodes, fanout = entry
-                if node not in nodes:
-                    self._put(h, ((*nodes[-(MAX_HOLDERS - 1) :], node), fanout))
-                elif h not in self._current:
-                    self._put(h, entry)
-            parent = h
+                self._insert_new(hashes, i, node)
+                return
+            nodes, fanout = entry
+            if node not in nodes:
+                self._put(h, ((*nodes[-(MAX_HOLDERS - 1) :], node), fanout))
+            elif h not in current:
+                self._put(h, entry)
+
+    def _insert_new(self, hashes: Sequence[str], first: int, node: str) -> None:
+        """Insert ``hashes[first:]``, all new: a chain hash never seen has no known descendants."""
+        if first > 0:
+            parent = hashes[first - 1]
+            holders, fanout = self._current.get(parent) or self._previous.get(parent) or ((node,), 0)
+            if fanout < HOT_FANOUT:
+                self._put(parent, (holders, fanout + 1))  # a new continuation of the parent
+        holders_new = (node,)
+        tail = hashes[first:]
+        self._current.update((h, (holders_new, 1)) for h in tail[:-1])
+        self._current[tail[-1]] = (holders_new, 0)
+        if len(self._current) >= self.max_entries // 2:
+            self._previous = self._current
+            self._current = {}

@@ -32,8 +32,6 @@ class BackendState:
     models: frozenset[str] = frozenset()
     scraped: Scraped | None = None
     last_error: str | None = None
-    inflight: int = 0
-    inflight_tokens: int = 0
     ttft_ewma: float | None = None
     errors: int = 0
 
@@ -60,6 +58,11 @@ class Registry:
     _eligible_key: tuple[str, ...] = ()
     _weights: dict[str, float] = field(default_factory=dict)
     _inflight: dict[int, _Inflight] = field(default_factory=dict)
+    inflight: dict[str, int] = field(default_factory=dict)  # backend -> requests routed, not reported
+    inflight_tokens: dict[str, int] = field(default_factory=dict)  # backend -> their uncached tokens
+    _generation: int = 0  # bumped when cached snapshots must be rebuilt
+    _snapshots: dict[str | None, tuple[int, Snapshot]] = field(default_factory=dict)
+    _served: tuple[int, frozenset[str] | None] | None = None
 
     # -- membership ---------------------------------------------------------------------------------
     def set_membership(self, specs: Iterable[tuple[BackendSpec, bool]]) -> bool:
@@ -83,6 +86,7 @@ class Registry:
         return changed
 
     def _rebuild(self) -> None:
+        self.changed()
         eligible = tuple(sorted(b for b, s in self.backends.items() if s.eligible))
         weights = {b: s.spec.weight for b, s in self.backends.items() if s.eligible}
         if eligible != self._eligible_key or weights != self._weights:
@@ -127,9 +131,18 @@ class Registry:
 
     # -- load ---------------------------------------------------------------------------------------
     def load_of(self, s: BackendState, now: float, unknown: float) -> LoadView:
-        return view(s.scraped, s.inflight, s.inflight_tokens, now, self.scrape.stale_after_s, unknown)
+        return view(s.scraped, 0, 0, now, self.scrape.stale_after_s, unknown)
+
+    def changed(self) -> None:
+        """Scrapes, health or membership moved: rebuild snapshots on next use."""
+        self._generation += 1
 
     def snapshot(self, model: str | None, now: float | None = None) -> Snapshot:
+        """The eligible backends for ``model``; cached until the next scrape round or change, with
+        the live in-flight counts read through, so a decision costs no per-backend work."""
+        cached = self._snapshots.get(model)
+        if cached is not None and cached[0] == self._generation:
+            return cached[1]
         now = time.monotonic() if now is None else now
         chosen = [
             s
@@ -144,14 +157,26 @@ class Registry:
         unknown = max(known) if known else 0.0  # pessimistic stand-in for stale stats
         nodes = {s.spec.id: NodeView(s.spec.id, s.spec.weight, self.load_of(s, now, unknown)) for s in chosen}
         r = self.routing
-        return Snapshot(nodes, self.ring, r.load_factor, r.saturation_waiting, r.saturation_kv)
+        snap = Snapshot(
+            nodes,
+            self.ring,
+            r.load_factor,
+            r.saturation_waiting,
+            r.saturation_kv,
+            self.inflight,
+            self.inflight_tokens,
+        )
+        self._snapshots[model] = (self._generation, snap)
+        return snap
 
     def serves(self, model: str) -> bool | None:
         """True/False once models are known; None while no backend has answered /v1/models yet."""
-        known = [s for s in self.backends.values() if s.models]
-        if not known:
-            return None
-        return any(model in s.models for s in known)
+        cached = self._served
+        if cached is None or cached[0] != self._generation:
+            known = [s.models for s in self.backends.values() if s.models]
+            cached = (self._generation, frozenset().union(*known) if known else None)
+            self._served = cached
+        return None if cached[1] is None else model in cached[1]
 
     def models(self) -> list[str]:
         return sorted({m for s in self.backends.values() if s.eligible for m in s.models})
@@ -170,21 +195,20 @@ class Registry:
 
     # -- in-flight accounting -------------------------------------------------------------------------
     def start(self, decision_id: int, bid: str, tokens: int, now: float) -> None:
-        s = self.backends.get(bid)
-        if s is None:
+        if bid not in self.backends:
             return
-        s.inflight += 1
-        s.inflight_tokens += tokens
+        self.inflight[bid] = self.inflight.get(bid, 0) + 1
+        self.inflight_tokens[bid] = self.inflight_tokens.get(bid, 0) + tokens
         self._inflight[decision_id] = _Inflight(bid, tokens, now)
 
     def finish(self, decision_id: int) -> None:
         entry = self._inflight.pop(decision_id, None)
         if entry is None:
             return
-        s = self.backends.get(entry.backend)
-        if s is not None:
-            s.inflight = max(0, s.inflight - 1)
-            s.inflight_tokens = max(0, s.inflight_tokens - entry.tokens)
+        b = entry.backend
+        if b in self.inflight:
+            self.inflight[b] = max(0, self.inflight[b] - 1)
+            self.inflight_tokens[b] = max(0, self.inflight_tokens.get(b, 0) - entry.tokens)
 
     def expire_inflight(self, now: float) -> None:
         for did in [d for d, e in self._inflight.items() if now - e.at > INFLIGHT_EXPIRY_S]:
@@ -212,8 +236,8 @@ class Registry:
                     "labels": dict(s.spec.labels),
                     "state": "draining" if s.draining else ("healthy" if s.healthy else "unhealthy"),
                     "models": sorted(s.models),
-                    "inflight": s.inflight,
-                    "inflight_tokens": s.inflight_tokens,
+                    "inflight": self.inflight.get(bid, 0),
+                    "inflight_tokens": self.inflight_tokens.get(bid, 0),
                     "load": {
                         "known": load.known,
                         "requests": load.requests,

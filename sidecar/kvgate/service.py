@@ -79,20 +79,22 @@ class DecisionService:
         seq = next(self._seq)
         policy = self.policy_for(f.model)
         snap = self.registry.snapshot(f.model)
-        bound = None
-        if policy is PolicyName.KVGATE and f.key and snap.nodes:
-            bound = await self.sessions.get(f.key)
+        limit = self.config.routing.max_candidates
         depth: dict[str, int] = {}
         shared = 0
         if policy in (PolicyName.KVGATE, PolicyName.PREFIX) and f.hashes and snap.nodes:
             match = self.index.match(f.hashes, snap.nodes)
             depth, shared = match.depth, match.shared
-        req = Request(f, seq, bound, depth, shared)
-        decision = decide(policy, req, snap, self.config.routing.max_candidates)
+        keyed = policy is PolicyName.KVGATE and f.key is not None and bool(snap.nodes)
+        bound = self.sessions.cached(f.key) if keyed and f.key else None
+        decision = decide(policy, Request(f, seq, bound, depth, shared), snap, limit)
         if not decision.candidates:
             self.metrics.no_backend.inc()
             return {"i": seq, "c": [], "a": [], "r": "no_backend", "v": self.registry.peers_version}
-        decision = await self._record_session(f, decision, bound, snap.nodes)
+        if keyed and f.key:
+            decision = await self._settle_session(
+                f.key, decision, bound, Request(f, seq, bound, depth, shared), snap, limit, policy
+            )
         primary = decision.candidates[0]
         if f.hashes and policy in (PolicyName.KVGATE, PolicyName.PREFIX):
             self.index.record(f.hashes, primary)
@@ -121,24 +123,41 @@ class DecisionService:
         )
         return out
 
-    async def _record_session(self, f: Features, d: Decision, bound: str | None, eligible: Any) -> Decision:
-        if f.key is None:
-            return d
+    async def _settle_session(
+        self,
+        key: str,
+        d: Decision,
+        bound: str | None,
+        req: Request,
+        snap: Any,
+        limit: int,
+        policy: PolicyName,
+    ) -> Decision:
+        """Make the session store agree with the decision: one Redis round trip at most, none when
+        the binding came from the local cache and still holds."""
         if d.reason == "session":
             self.metrics.affinity.labels("hit").inc()
             return d
         if d.bind == "rebind":
             self.metrics.affinity.labels("rebind").inc()
-            await self.sessions.rebind(f.key, d.candidates[0])
-            logger.debug("rebound %s from %s to %s (%s)", f.key, bound, d.candidates[0], d.reason)
-        elif d.bind == "bind":
+            await self.sessions.rebind(key, d.candidates[0])
+            logger.debug("rebound %s from %s to %s (%s)", key, bound, d.candidates[0], d.reason)
+            return d
+        # Not in the local cache: claim the key for our pick; Redis answers with the binding in force.
+        winner, existed = await self.sessions.claim(key, d.candidates[0])
+        if not existed:
             self.metrics.affinity.labels("miss").inc()
-            winner = await self.sessions.bind(f.key, d.candidates[0])
-            if winner != d.candidates[0] and winner in eligible:
-                # Another replica bound this session a moment ago: follow its choice.
-                rest = tuple(c for c in d.candidates if c != winner)
-                return Decision((winner, *rest)[: len(d.candidates)], "session", None)
-        return d
+            return d
+        # The session was bound already (earlier, or by another replica): decide again knowing it.
+        again = decide(
+            policy, Request(req.features, req.seq, winner, req.prefix_depth, req.shared_depth), snap, limit
+        )
+        if again.reason == "session":
+            self.metrics.affinity.labels("hit").inc()
+            return again
+        self.metrics.affinity.labels("rebind").inc()
+        await self.sessions.rebind(key, again.candidates[0])
+        return again
 
     def report(self, outcomes: list[Outcome]) -> None:
         for o in outcomes:

@@ -1,48 +1,56 @@
-"""Session-to-backend bindings in Redis, shared by every gateway replica, with a local fallback.
+"""Session-to-backend bindings in Redis, shared by every gateway replica, with a local cache.
 
-* ``get`` refreshes the TTL on use (GETEX), ``bind`` is first-binding-wins (SET NX, then read the
-  winner), ``rebind`` overwrites when the bound backend is unhealthy, drained or saturated.
-* Every Redis call has a short explicit timeout. After a failure the store routes from a bounded
-  in-process map for ``retry_after`` before trying Redis again, so a dead Redis costs one timeout per
-  interval, not one per request. Bindings made meanwhile are written back when Redis returns.
+A decision costs at most one Redis round trip, and none for a session seen in the last
+``local_fresh`` seconds:
+
+* ``cached(key)``: a binding this sidecar read or wrote recently; trusted without asking Redis. Another
+  replica's rebind is therefore seen within ``local_fresh`` (the documented staleness bound). TTLs of
+  keys used from the cache are refreshed in Redis in batches, off the request path.
+* ``claim(key, node)``: ``SET key node NX GET EX ttl``, one round trip that binds a new session (first
+  binding wins across replicas) or returns the existing binding for the caller to follow.
+* ``rebind(key, node)``: overwrite when the bound backend is unhealthy, drained or saturated.
+
+Every Redis call has a short explicit timeout. After a failure the store answers from its bounded
+in-process map for ``retry_after`` before trying Redis again, so a dead Redis costs one timeout per
+interval, not one per request; bindings made meanwhile are written back when Redis returns.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from kvgate.config import RedisConfig
 from kvgate.metrics import SidecarMetrics
 
 logger = logging.getLogger(__name__)
+LOCAL_FRESH_S = 2.0  # how long a binding read from Redis is trusted without asking again
+TTL_REFRESH_EVERY_S = 1.0
 
 
 class LocalSessions:
-    """Bounded LRU map used while Redis is unreachable (and as a read-through cache)."""
+    """Bounded LRU map: key -> (backend, monotonic time it was last confirmed with Redis)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._map: OrderedDict[str, str] = OrderedDict()
+        self._map: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
-    def get(self, key: str) -> str | None:
-        node = self._map.get(key)
-        if node is not None:
+    def get(self, key: str) -> tuple[str, float] | None:
+        entry = self._map.get(key)
+        if entry is not None:
             self._map.move_to_end(key)
-        return node
+        return entry
 
-    def set(self, key: str, node: str) -> None:
-        self._map[key] = node
+    def set(self, key: str, node: str, confirmed: float) -> None:
+        self._map[key] = (node, confirmed)
         self._map.move_to_end(key)
         while len(self._map) > self.capacity:
             self._map.popitem(last=False)
-
-    def items(self) -> list[tuple[str, str]]:
-        return list(self._map.items())
 
 
 class SessionStore:
@@ -53,7 +61,9 @@ class SessionStore:
         self.local = LocalSessions(config.local_sessions)
         self._down_until = 0.0
         self._dirty: dict[str, str] = {}  # bindings made while Redis was down
+        self._touched: set[str] = set()  # keys used from the cache whose Redis TTL needs a refresh
         self.ttl = int(config.session_ttl_s)
+        self._set_get = True  # Redis >= 7 accepts SET NX GET; older servers get two commands
 
     def _key(self, key: str) -> str:
         return f"{self.config.prefix}:s:{key}"
@@ -73,52 +83,68 @@ class SessionStore:
         self._down_until = time.monotonic() + self.config.retry_after_s
         self.metrics.redis_errors.labels(op).inc()
 
-    async def get(self, key: str) -> str | None:
+    def cached(self, key: str) -> str | None:
+        """The binding if it can be used without Redis: fresh, or Redis is down (then any age)."""
+        entry = self.local.get(key)
+        if entry is None:
+            return None
+        node, confirmed = entry
+        if not self.redis_ok:
+            self.metrics.redis_fallbacks.inc()
+            return node
+        if time.monotonic() - confirmed <= LOCAL_FRESH_S:
+            self._touched.add(key)
+            return node
+        return None
+
+    async def claim(self, key: str, node: str) -> tuple[str, bool]:
+        """Bind ``key`` to ``node`` unless it is bound already; returns the binding in force and
+        whether it existed before this call."""
+        now = time.monotonic()
         if self.redis_ok:
             assert self.client is not None
             try:
                 await self._flush_dirty()
-                value = await self.client.getex(self._key(key), ex=self.ttl)
+                prior = await self._set_nx_get(self._key(key), node)
             except (RedisError, OSError) as exc:
-                self._failed(exc, "get")
+                self._failed(exc, "claim")
             else:
-                node = value.decode() if isinstance(value, bytes) else value
-                if node is not None:
-                    self.local.set(key, node)
-                return node
+                bound = (
+                    node if prior is None else (prior.decode() if isinstance(prior, bytes) else str(prior))
+                )
+                self.local.set(key, bound, now)
+                return bound, prior is not None
         self.metrics.redis_fallbacks.inc()
-        return self.local.get(key)
-
-    async def bind(self, key: str, node: str) -> str:
-        """Bind ``key`` to ``node`` unless another decision bound it first; returns the binding."""
-        if self.redis_ok:
-            assert self.client is not None
-            try:
-                rkey = self._key(key)
-                if await self.client.set(rkey, node, nx=True, ex=self.ttl):
-                    self.local.set(key, node)
-                    return node
-                winner = await self.client.getex(rkey, ex=self.ttl)
-            except (RedisError, OSError) as exc:
-                self._failed(exc, "bind")
-            else:
-                bound = winner.decode() if isinstance(winner, bytes) else winner
-                bound = bound or node
-                self.local.set(key, bound)
-                return str(bound)
-        self.local.set(key, node)
+        entry = self.local.get(key)
+        if entry is not None:
+            return entry[0], True
+        self.local.set(key, node, 0.0)
         self._dirty[key] = node
-        return node
+        return node, False
+
+    async def _set_nx_get(self, rkey: str, node: str) -> bytes | str | None:
+        assert self.client is not None
+        if self._set_get:
+            try:
+                result = await self.client.set(rkey, node, nx=True, get=True, ex=self.ttl)
+                return None if isinstance(result, bool) else result
+            except ResponseError:
+                self._set_get = False  # Redis < 7: SET cannot combine NX and GET
+        if await self.client.set(rkey, node, nx=True, ex=self.ttl):
+            return None
+        prior: bytes | str | None = await self.client.getex(rkey, ex=self.ttl)
+        return prior
 
     async def rebind(self, key: str, node: str) -> None:
-        self.local.set(key, node)
         if self.redis_ok:
             assert self.client is not None
             try:
                 await self.client.set(self._key(key), node, ex=self.ttl)
+                self.local.set(key, node, time.monotonic())
                 return
             except (RedisError, OSError) as exc:
                 self._failed(exc, "rebind")
+        self.local.set(key, node, 0.0)
         self._dirty[key] = node
 
     async def _flush_dirty(self) -> None:
@@ -134,3 +160,23 @@ class SessionStore:
         except (RedisError, OSError):
             self._dirty = {**dirty, **self._dirty}  # keep them for the next attempt
             raise
+
+    async def refresh_ttls(self) -> None:
+        """Extend the Redis TTL of sessions served from the local cache (batched, off the hot path)."""
+        if not self._touched or not self.redis_ok:
+            return
+        assert self.client is not None
+        touched, self._touched = self._touched, set()
+        try:
+            await self._flush_dirty()
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key in touched:
+                    pipe.expire(self._key(key), self.ttl)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self._failed(exc, "refresh")
+
+    async def refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TTL_REFRESH_EVERY_S)
+            await self.refresh_ttls()

@@ -31,6 +31,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> int:
+    """First of n consecutive free ports (vllm-sim --instances serves port..port+n-1)."""
+    for _ in range(200):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports found")
+
+
 def wait_tcp(
     port: int, timeout: float = READY_TIMEOUT_S, proc: subprocess.Popen[bytes] | None = None
 ) -> None:

@@ -1,0 +1,113 @@
+"""Decision latency of the sidecar as Nginx sees it: one line over the unix socket and back.
+
+Starts redis-server, simulated backends and one sidecar; optionally registers many backends (ids
+sharing the simulators' URLs) and preloads many sessions into Redis; then sends the features Nginx's
+Lua would send for chat prompts of several sizes, over one keepalive connection, and reports the
+round-trip p50 / p99 (client side) per size. Each request carries a session key (half of them bound
+already), so every decision pays its Redis round trip.
+
+    python -m kvgate_bench.decision_latency --sizes 1024 51200 512000
+    python -m kvgate_bench.decision_latency --backends 1000 --sessions 1000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+from kvgate.decision_client import DecisionClient, wire
+from kvgate.features import extract
+from kvgate.stack import Stack, free_port, free_ports
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def preload_sessions(port: int, n: int, backends: int) -> float:
+    t0 = time.perf_counter()
+    r = redis.Redis(port=port, socket_timeout=30)
+    pipe = r.pipeline(transaction=False)
+    for i in range(n):
+        pipe.set(f"kvgate:s:h:preloaded-{i}", f"b-{i % backends}", ex=3600)
+        if i % 10_000 == 9_999:
+            pipe.execute()
+    pipe.execute()
+    r.close()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 51_200, 512_000], help="prompt bytes")
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--backends", type=int, default=4)
+    p.add_argument("--sessions", type=int, default=0, help="sessions preloaded into Redis")
+    p.add_argument("--out", default="bench-results/decision_latency.json")
+    args = p.parse_args()
+    out_dir = Path(args.out).parent
+    stack = Stack(out_dir / "decision-latency-run")
+    results: dict[str, Any] = {"backends": args.backends, "sessions": args.sessions, "sizes": {}}
+    try:
+        redis_port = free_port()
+        stack.start_redis(redis_port)
+        sims = min(args.backends, 8)
+        sim_port = free_ports(sims)
+        stack.start_sim(sim_port, sims, "sim", "--model", "bench-model")
+        if args.sessions:
+            took = preload_sessions(redis_port, args.sessions, args.backends)
+            print(f"preloaded {args.sessions:,} sessions in {took:.1f}s")
+        socket_path = stack.run_dir / "sidecar.sock"
+        config = {
+            "listen": {"socket": str(socket_path), "http_port": free_port()},
+            "redis": {"url": f"redis://127.0.0.1:{redis_port}/0", "prefix": "kvgate"},
+            # Scrape rarely: the benchmark measures decisions, not 1,000 scrapes a second.
+            "scrape": {"interval_ms": 60_000, "timeout_ms": 5_000, "stale_after_ms": 600_000},
+            "backends": [
+                {"id": f"b-{i}", "url": f"http://127.0.0.1:{sim_port + i % sims}"}
+                for i in range(args.backends)
+            ],
+        }
+        stack.start_sidecar(stack.write_sidecar_config(config, "sidecar"), socket_path)
+        client = DecisionClient(socket_path)
+        for size in args.sizes:
+            words = max(1, size // 8)
+            samples: list[float] = []
+            for i in range(args.requests):
+                text = (f"conversation {i} " + "lorem ipsum dolor sit amet " * (words // 5 + 1))[:size]
+                body = {"model": "bench-model", "messages": [{"role": "user", "content": text}]}
+                key = f"preloaded-{i}" if args.sessions and i % 2 == 0 else f"new-{size}-{i}"
+                msg = {"op": "decide", "f": wire(extract(body, {"X-Session-ID": key}))}
+                t0 = time.perf_counter()
+                reply = client.call(msg)
+                samples.append(time.perf_counter() - t0)
+                assert reply.get("c"), reply
+            line_bytes = len(json.dumps(msg))
+            stats = {
+                "p50_ms": percentile(samples, 0.5) * 1000,
+                "p99_ms": percentile(samples, 0.99) * 1000,
+                "mean_ms": statistics.fmean(samples) * 1000,
+                "line_bytes": line_bytes,
+            }
+            results["sizes"][str(size)] = stats
+            print(
+                f"prompt {size / 1024:7.1f} KB (features line {line_bytes / 1024:5.1f} KB): "
+                f"p50 {stats['p50_ms']:.3f} ms  p99 {stats['p99_ms']:.3f} ms  mean {stats['mean_ms']:.3f} ms",
+                flush=True,
+            )
+        client.close()
+    finally:
+        stack.stop_all()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
