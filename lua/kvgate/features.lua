@@ -14,7 +14,7 @@ local math_floor  = math.floor
 local math_min    = math.min
 
 local CHUNK_BYTES = 512
-local MAX_CHUNKS  = 1024
+local MAX_CHUNKS  = 256   -- 128 KB (~32k tokens), as in features.py
 local KEY_BYTES   = 1024
 local KEY_CHUNKS  = 16
 

@@ -34,6 +34,10 @@ class BackendState:
     last_error: str | None = None
     ttft_ewma: float | None = None
     errors: int = 0
+    address: str = ""  # host:port for Nginx, parsed once
+
+    def __post_init__(self) -> None:
+        self.address = self.spec.address
 
     @property
     def eligible(self) -> bool:
@@ -79,7 +83,7 @@ class Registry:
                 self.backends[bid] = BackendState(spec=spec, draining=draining)
                 changed = True
             elif state.spec != spec or state.draining != draining:
-                state.spec, state.draining = spec, draining
+                state.spec, state.draining, state.address = spec, draining, spec.address
                 changed = True
         if changed:
             self._rebuild()
@@ -191,7 +195,7 @@ class Registry:
         }
 
     def address(self, bid: str) -> str:
-        return self.backends[bid].spec.address
+        return self.backends[bid].address
 
     # -- in-flight accounting -------------------------------------------------------------------------
     def start(self, decision_id: int, bid: str, tokens: int, now: float) -> None:

@@ -69,6 +69,7 @@ CASES = [
     {"name": "completions, short prompt", "body": {"model": "m", "prompt": "short prompt", "max_tokens": 5}},
     {"name": "completions, list of one", "body": {"model": "m", "prompt": [LONG]}},
     {"name": "empty", "body": {"model": "m", "messages": []}},
+    {"name": "longer than the hashed window", "body": {"model": "m", "prompt": " ".join([LONG] * 30)}},
 ]
 
 
