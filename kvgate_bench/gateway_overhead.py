@@ -24,14 +24,21 @@ from kvgate.nginx_conf import DEBIAN_MODULES, NginxSettings, find_nginx
 from kvgate.stack import Stack, free_port, wait_tcp
 
 MODEL = "bench-model"
-COMPLETION = json.dumps({
-    "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": MODEL,
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-    "usage": {"prompt_tokens": 1, "total_tokens": 2, "completion_tokens": 1},
-})
-METRICS = ('vllm:num_requests_running{model_name="bench-model",engine="0"} 0\\n'
-           'vllm:num_requests_waiting{model_name="bench-model",engine="0"} 0\\n'
-           'vllm:kv_cache_usage_perc{model_name="bench-model",engine="0"} 0.1\\n')
+COMPLETION = json.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "total_tokens": 2, "completion_tokens": 1},
+    }
+)
+METRICS = (
+    'vllm:num_requests_running{model_name="bench-model",engine="0"} 0\\n'
+    'vllm:num_requests_waiting{model_name="bench-model",engine="0"} 0\\n'
+    'vllm:kv_cache_usage_perc{model_name="bench-model",engine="0"} 0.1\\n'
+)
 
 
 def _modules() -> str:
@@ -76,7 +83,9 @@ http {{
 
 def body_of(size: int, i: int) -> bytes:
     text = (f"request {i} " + "lorem ipsum dolor sit amet " * (size // 27 + 1))[:size]
-    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1}).encode()
+    return json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    ).encode()
 
 
 def measure(ports: list[int], size: int, n: int, rate: float) -> list[list[float]]:
@@ -94,7 +103,9 @@ def measure(ports: list[int], size: int, n: int, rate: float) -> list[list[float
             if delay > 0:
                 time.sleep(delay)
             t0 = time.perf_counter()
-            conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+            conn.request(
+                "POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"}
+            )
             resp = conn.getresponse()
             resp.read()
             out[k].append(time.perf_counter() - t0)
@@ -127,41 +138,59 @@ def main() -> None:
         backend, plain = free_port(), free_port()
         (run / "backend.conf").write_text(static_backend_conf(run, backend))
         (run / "plain.conf").write_text(plain_proxy_conf(run, plain, backend))
-        stack._spawn("backend", [nginx, "-p", str(run), "-c", str(run / "backend.conf"), "-e", str(run / "be.log")])
-        stack._spawn("plain", [nginx, "-p", str(run), "-c", str(run / "plain.conf"), "-e", str(run / "pl.log")])
+        stack._spawn(
+            "backend", [nginx, "-p", str(run), "-c", str(run / "backend.conf"), "-e", str(run / "be.log")]
+        )
+        stack._spawn(
+            "plain", [nginx, "-p", str(run), "-c", str(run / "plain.conf"), "-e", str(run / "pl.log")]
+        )
         wait_tcp(backend)
         wait_tcp(plain)
         socket_path = run / "sidecar.sock"
-        cfg = {"listen": {"socket": str(socket_path), "http_port": free_port()}, "redis": {"url": None},
-               "backends": [{"id": "static", "url": f"http://127.0.0.1:{backend}"}]}
+        cfg = {
+            "listen": {"socket": str(socket_path), "http_port": free_port()},
+            "redis": {"url": None},
+            "backends": [{"id": "static", "url": f"http://127.0.0.1:{backend}"}],
+        }
         stack.start_sidecar(stack.write_sidecar_config(cfg, "sidecar"), socket_path)
         gw = free_port()
-        stack.start_nginx(NginxSettings(listen=f"127.0.0.1:{gw}", socket=str(socket_path), run_dir=str(run),
-                                        workers=2), gw)
+        stack.start_nginx(
+            NginxSettings(listen=f"127.0.0.1:{gw}", socket=str(socket_path), run_dir=str(run), workers=2), gw
+        )
         time.sleep(1.5)  # the fail-open peer list arrives within a second
         for size in args.sizes:
             measure([plain, gw], size, 50, args.rate)
             plain_t, gw_t = measure([plain, gw], size, args.requests, args.rate)
             row = {
-                "plain_p50_ms": pct(plain_t, 0.5), "plain_p99_ms": pct(plain_t, 0.99),
-                "gateway_p50_ms": pct(gw_t, 0.5), "gateway_p99_ms": pct(gw_t, 0.99),
+                "plain_p50_ms": pct(plain_t, 0.5),
+                "plain_p99_ms": pct(plain_t, 0.99),
+                "gateway_p50_ms": pct(gw_t, 0.5),
+                "gateway_p99_ms": pct(gw_t, 0.99),
                 "added_p50_ms": pct(gw_t, 0.5) - pct(plain_t, 0.5),
                 "added_p99_ms": pct(gw_t, 0.99) - pct(plain_t, 0.99),
                 "added_mean_ms": (statistics.fmean(gw_t) - statistics.fmean(plain_t)) * 1000,
             }
             results["sizes"][str(size)] = row
-            print(f"{size / 1024:6.1f} KB: plain p50 {row['plain_p50_ms']:.3f} p99 {row['plain_p99_ms']:.3f} | "
-                  f"gateway p50 {row['gateway_p50_ms']:.3f} p99 {row['gateway_p99_ms']:.3f} | added p50 "
-                  f"{row['added_p50_ms']:+.3f} ms p99 {row['added_p99_ms']:+.3f} ms", flush=True)
+            print(
+                f"{size / 1024:6.1f} KB: plain p50 {row['plain_p50_ms']:.3f} p99 {row['plain_p99_ms']:.3f} | "
+                f"gateway p50 {row['gateway_p50_ms']:.3f} p99 {row['gateway_p99_ms']:.3f} | added p50 "
+                f"{row['added_p50_ms']:+.3f} ms p99 {row['added_p99_ms']:+.3f} ms",
+                flush=True,
+            )
         stack.stop("sidecar")
         results["fail_open"] = {}
         for size in args.sizes:
             plain_t, fo_t = measure([plain, gw], size, args.requests, args.rate)
-            row = {"added_p50_ms": pct(fo_t, 0.5) - pct(plain_t, 0.5),
-                   "added_p99_ms": pct(fo_t, 0.99) - pct(plain_t, 0.99)}
+            row = {
+                "added_p50_ms": pct(fo_t, 0.5) - pct(plain_t, 0.5),
+                "added_p99_ms": pct(fo_t, 0.99) - pct(plain_t, 0.99),
+            }
             results["fail_open"][str(size)] = row
-            print(f"{size / 1024:6.1f} KB, sidecar down (fail-open): added p50 {row['added_p50_ms']:+.3f} ms "
-                  f"p99 {row['added_p99_ms']:+.3f} ms", flush=True)
+            print(
+                f"{size / 1024:6.1f} KB, sidecar down (fail-open): added p50 {row['added_p50_ms']:+.3f} ms "
+                f"p99 {row['added_p99_ms']:+.3f} ms",
+                flush=True,
+            )
     finally:
         stack.stop_all()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,11 @@ def token_id(word: str) -> int:
     return mmh3.hash(word, signed=False) % VOCAB_SIZE
 
 
+def word_id(word: str) -> int:
+    """Same as ``token_id`` without the cache, for words that are rarely seen twice."""
+    return int(mmh3.hash(word, signed=False)) % VOCAB_SIZE
+
+
 def encode(text: str) -> list[int]:
     """Token ids of ``text``: one per whitespace-separated word."""
     return [token_id(w) for w in text.split()]

@@ -225,11 +225,28 @@ function _M.balancer()
     end
 end
 
+local function push_report(item)
+    if npending >= REPORT_MAX then
+        dropped = dropped + 1
+        return
+    end
+    npending = npending + 1
+    pending[npending] = item
+end
+
 function _M.header_filter()
     local ctx = ngx.ctx
-    if conf.route_headers and ctx.kv_ids and ctx.kv_tries and ctx.kv_tries > 0 then
+    if not ctx.kv_ids or not ctx.kv_tries or ctx.kv_tries == 0 then
+        return
+    end
+    if conf.route_headers then
         ngx.header["X-Kvgate-Backend"] = ctx.kv_ids[ctx.kv_tries]
         ngx.header["X-Kvgate-Route"] = ctx.kv_reason
+    end
+    -- Streamed responses start when the first token exists: the backend's prefill for this request
+    -- is done, which frees its share of the sidecar's prefill-queue estimate right away.
+    if ctx.kv_id then
+        push_report({ i = ctx.kv_id, b = ctx.kv_ids[ctx.kv_tries], f = true })
     end
 end
 
@@ -249,27 +266,21 @@ function _M.log()
     if not ids or not tries or tries == 0 then
         return
     end
-    if npending >= REPORT_MAX then
-        dropped = dropped + 1
-        return
-    end
     -- Earlier candidates failed before this one answered: report them as connection failures.
     local statuses = {}
     for v in str_gmatch(ngx_var.upstream_status or "", "[^,%s]+") do
         statuses[#statuses + 1] = tonumber(v) or 0
     end
     for t = 1, tries - 1 do
-        npending = npending + 1
-        pending[npending] = { i = 0, b = ids[t], s = statuses[t] or 0, x = false }
+        push_report({ i = 0, b = ids[t], s = statuses[t] or 0, x = false })
     end
-    npending = npending + 1
-    pending[npending] = {
+    push_report({
         i = ctx.kv_id or 0,
         b = ids[tries],
         s = statuses[tries] or tonumber(ngx_var.status) or 0,
         t = last_number(ngx_var.upstream_header_time),
         x = (tonumber(ngx_var.body_bytes_sent) or 0) > 0,
-    }
+    })
 end
 
 function _M.models()

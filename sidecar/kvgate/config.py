@@ -193,6 +193,7 @@ class RoutingConfig:
     max_candidates: int = 3  # primary plus fallbacks returned to Nginx
     saturation_waiting: int = 8  # queued requests at which a backend counts as saturated
     saturation_kv: float = 0.95  # KV-cache usage at which a backend counts as saturated
+    saturation_prefill_tokens: int = 32_768  # prompt tokens routed and awaiting prefill (~1 s on an H100)
     prefix_index_blocks: int = 1_000_000  # memory bound of the approximate prefix index
 
     @classmethod
@@ -210,6 +211,7 @@ class RoutingConfig:
                 "max_candidates",
                 "saturation_waiting",
                 "saturation_kv",
+                "saturation_prefill_tokens",
                 "prefix_index_blocks",
             },
         )
@@ -233,6 +235,7 @@ class RoutingConfig:
             max_candidates=_int(d, w, "max_candidates", 3, 1, 16),
             saturation_waiting=_int(d, w, "saturation_waiting", 8, 1, 100_000),
             saturation_kv=_num(d, w, "saturation_kv", 0.95, 0.1, 1.0),
+            saturation_prefill_tokens=_int(d, w, "saturation_prefill_tokens", 32_768, 512, 10_000_000),
             prefix_index_blocks=_int(d, w, "prefix_index_blocks", 1_000_000, 1000, 100_000_000),
         )
 

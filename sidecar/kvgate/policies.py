@@ -9,10 +9,12 @@ fallbacks) and a short reason code that Nginx puts in ``X-Kvgate-Route``.
 
 1. **session**: the key's bound backend, while it is eligible, not saturated and under its load bound
    (sticky until saturated);
-2. **prefix**: else the backend that probably holds the longest prefix of this prompt beyond the part
-   many requests share (a common system prompt is no signal), if the node is under its load bound;
-3. **ring**: else the key's owner on the consistent-hash ring, walking clockwise past nodes above
-   ``c x`` their weighted fair share (bounded loads), so hot keys spill over instead of piling up.
+2. **prefix**: the backends that probably hold a prefix of this prompt beyond the part many requests
+   share (a common system prompt is no signal) are candidates, credited with the tokens they hold;
+3. **ring + load**: else walk the consistent-hash ring from the key, past nodes above ``c x`` their
+   weighted fair share (bounded loads, so hot keys spill over instead of piling up), and among the
+   first ``CHOICES`` under-bound nodes and the prefix holders pick the one whose first token should
+   come soonest: least prefill work queued there plus the part of this prompt it does not hold.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from kvgate.features import Features
+from kvgate.features import CHUNK_BYTES, Features
 from kvgate.load import LoadView
 from kvgate.ring import Ring
+
+CHOICES = 4  # ring successors a new key may choose between (power of d choices on the ring)
+TOKENS_PER_CHUNK = CHUNK_BYTES // 4  # prompt tokens per hashed chunk, at ~4 bytes per token
 
 
 class PolicyName(str, Enum):
@@ -54,6 +59,7 @@ class Snapshot:
     load_factor: float = 1.25
     saturation_waiting: int = 8
     saturation_kv: float = 0.95
+    saturation_prefill_tokens: int = 32_768
     # Live in-flight counts of this sidecar, read-only here: the node views are cached between scrape
     # rounds, while these move with every decision and report.
     inflight: Mapping[str, int] = field(default_factory=dict)
@@ -73,6 +79,9 @@ class Snapshot:
         return (n for n in self.ring.walk(key) if n in self.nodes)
 
     def saturated(self, node: str) -> bool:
+        """Queueing (waiting requests or prefill tokens routed here) or out of KV cache."""
+        if self.inflight_tokens.get(node, 0) >= self.saturation_prefill_tokens:
+            return True
         return self.nodes[node].load.saturated(self.saturation_waiting, self.saturation_kv)
 
     def bound_admits(self) -> Callable[[str], bool]:
@@ -197,10 +206,21 @@ def _bounded_walk(
     return ok + over, owner
 
 
+def _prefill_cost(req: Request, snap: Snapshot, node: str) -> int:
+    """Prefill work ahead of this request's first token on ``node``: tokens already queued there for
+    prefill, plus the part of this prompt the node probably does not hold. Only depth beyond the
+    widely shared prefix counts: every node soon holds a common system prompt, and crediting it would
+    pull all traffic to whichever node served it first while queues are short."""
+    est = req.features.est_tokens
+    own = max(0, req.prefix_depth.get(node, 0) - req.shared_depth)
+    cached = min(est, own * TOKENS_PER_CHUNK)
+    return snap.inflight_tokens.get(node, 0) + est - cached
+
+
 def kvgate(req: Request, snap: Snapshot, limit: int) -> Decision:
     admits = snap.bound_admits()
     key = _ring_key(req)
-    walk, owner = _bounded_walk(snap, key, admits, limit)
+    walk, owner = _bounded_walk(snap, key, admits, max(limit, CHOICES))
     has_key = req.features.key is not None
     bound = req.bound
     # Sticky until saturated: a bound session stays put unless its node queues or runs out of KV
@@ -211,15 +231,24 @@ def kvgate(req: Request, snap: Snapshot, limit: int) -> Decision:
     why = ""
     if rebinding:
         why = "-gone" if bound not in snap.nodes else "-saturated"
-    best = _best_prefix(req, snap, admits)
-    if best:
-        reason, primary = "prefix", best
+    # A new key weighs cache against load: among the first under-bound nodes of its ring walk and the
+    # nodes holding a deeper-than-shared prefix of it, the one whose first token comes soonest.
+    candidates = [n for n in walk if admits(n)][:CHOICES]
+    candidates += [n for n in _best_prefix(req, snap, admits) if n not in candidates]
+    if not candidates:
+        candidates = walk[:1]
+    rank = {n: i for i, n in enumerate(walk)}
+    primary = min(candidates, key=lambda n: (_prefill_cost(req, snap, n), rank.get(n, len(rank))))
+    depth = req.prefix_depth.get(primary, 0)
+    if depth > req.shared_depth and depth > min(req.prefix_depth.get(n, 0) for n in candidates):
+        reason = "prefix"  # the cache it holds decided
+    elif primary == owner:
+        reason = "ring"
     else:
-        reason = "ring" if walk and walk[0] == owner else "ring-bounded"
-        primary = walk[:1]
+        reason = "load"
     action = ("rebind" if rebinding else "bind") if has_key else None
     return Decision(
-        _with_fallbacks(primary, walk, limit), reason + (f"/rebind{why}" if rebinding else ""), action
+        _with_fallbacks([primary], walk, limit), reason + (f"/rebind{why}" if rebinding else ""), action
     )
 
 

@@ -167,6 +167,7 @@ class Registry:
             r.load_factor,
             r.saturation_waiting,
             r.saturation_kv,
+            r.saturation_prefill_tokens,
             self.inflight,
             self.inflight_tokens,
         )
@@ -213,6 +214,15 @@ class Registry:
         if b in self.inflight:
             self.inflight[b] = max(0, self.inflight[b] - 1)
             self.inflight_tokens[b] = max(0, self.inflight_tokens.get(b, 0) - entry.tokens)
+
+    def prefill_done(self, decision_id: int) -> None:
+        """The first byte came back: this request no longer waits for prefill."""
+        entry = self._inflight.get(decision_id)
+        if entry is None or entry.tokens == 0:
+            return
+        b = entry.backend
+        self.inflight_tokens[b] = max(0, self.inflight_tokens.get(b, 0) - entry.tokens)
+        entry.tokens = 0
 
     def expire_inflight(self, now: float) -> None:
         for did in [d for d, e in self._inflight.items() if now - e.at > INFLIGHT_EXPIRY_S]:

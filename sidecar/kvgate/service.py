@@ -15,15 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.config import Config
-from kvgate.features import CHUNK_BYTES, Features
+from kvgate.features import Features
 from kvgate.metrics import SidecarMetrics
-from kvgate.policies import Decision, PolicyName, Request, decide
+from kvgate.policies import TOKENS_PER_CHUNK, Decision, PolicyName, Request, decide
 from kvgate.prefix_index import PrefixIndex
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
 
 logger = logging.getLogger(__name__)
-TOKENS_PER_CHUNK = CHUNK_BYTES // 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +32,13 @@ class Outcome:
     status: int  # 0 when no response came back (connection failure)
     ttft: float | None
     sent: bool  # whether response bytes reached the client
+    first_byte: bool = False  # an early report: headers arrived, the request finished its prefill
 
     @classmethod
     def from_wire(cls, d: dict[str, Any]) -> Outcome:
         ttft = d.get("t")
+        if d.get("f"):
+            return cls(int(d.get("i") or 0), str(d.get("b") or ""), 0, None, False, True)
         return cls(
             int(d.get("i") or 0),
             str(d.get("b") or ""),
@@ -161,6 +163,9 @@ class DecisionService:
 
     def report(self, outcomes: list[Outcome]) -> None:
         for o in outcomes:
+            if o.first_byte:
+                self.registry.prefill_done(o.decision_id)
+                continue
             self.registry.finish(o.decision_id)
             if not o.backend:
                 continue

@@ -1,0 +1,253 @@
+"""Virtual-time replay: kvgate's own decision service and N simulated vLLM engines in one process.
+
+No HTTP and no sleeping: an event loop on a virtual clock feeds arrivals through the same
+``DecisionService``, ``Registry``, prefix index and policies the sidecar runs (Redis replaced by the
+service's in-process session map), and each routed request into a ``vllm_sim`` engine. Engine load is
+"scraped" into the registry every ``scrape_interval`` simulated seconds, and finished requests are
+reported back as Nginx's log phase would. The same seed and requests give identical results.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvgate.config import Config
+from kvgate.features import Features, extract
+from kvgate.load import Scraped
+from kvgate.metrics import SidecarMetrics
+from kvgate.policies import PolicyName
+from kvgate.prefix_index import PrefixIndex
+from kvgate.registry import Registry
+from kvgate.service import DecisionService, Outcome
+from kvgate.sessions import SessionStore
+
+from kvgate_bench.workloads import TRACE_BLOCK_TOKENS, BenchRequest
+from vllm_sim.engine import Engine, EngineConfig, Request, TokenEvent
+from vllm_sim.kv_cache import BLOCK_SIZE, block_hashes
+from vllm_sim.profiles import Profile
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    rid: int
+    backend: str
+    arrival: float
+    ttft: float
+    e2e: float
+    itl: float | None
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    reason: str
+
+
+@dataclass
+class Run:
+    target: str
+    backends: int
+    speedup: float
+    results: list[Result] = field(default_factory=list)
+    bound_violations: int = 0  # non-session decisions that picked a node above c x its fair share
+    wall_s: float = 0.0
+
+
+def _sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine that never really waits (no Redis client: every await returns at once)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("the decision path awaited real I/O in virtual time")
+
+
+def features_for(requests: Sequence[BenchRequest]) -> list[Features]:
+    """Features as Nginx would compute them from each request's body (computed once per workload)."""
+    return [extract(r.body(), r.headers) for r in requests]
+
+
+def replay(
+    requests: Sequence[BenchRequest],
+    feats: Sequence[Features],
+    policy: PolicyName,
+    backends: int,
+    profile: Profile,
+    speedup: float = 1.0,
+    scrape_interval: float = 0.5,
+    seed: int = 0,
+    load_factor: float = 1.25,
+    progress: Callable[[int, int], None] | None = None,
+) -> Run:
+    started = time.perf_counter()
+    cfg = Config.from_mapping(
+        {
+            "redis": {"url": None},
+            "routing": {"policy": policy.value, "load_factor": load_factor},
+            "backends": [{"id": f"sim-{i}", "url": f"http://sim-{i}:8000"} for i in range(backends)],
+        }
+    )
+    metrics = SidecarMetrics()
+    registry = Registry(cfg.scrape, cfg.routing, metrics)
+    registry.set_membership((b, False) for b in cfg.backends)
+    models = frozenset({requests[0].model}) if requests else frozenset()
+    for state in registry.backends.values():
+        state.models = models
+    service = DecisionService(cfg, registry, SessionStore(cfg.redis, metrics, None), PrefixIndex(), metrics)
+    engines = [Engine(EngineConfig.from_profile(profile, seed=seed + i)) for i in range(backends)]
+    ids = [f"sim-{i}" for i in range(backends)]
+    busy = [False] * backends
+    pending: list[list[TokenEvent]] = [[] for _ in range(backends)]
+    # engine request id -> (rid, decision id, backend, reason)
+    meta: dict[str, tuple[int, int, str, str]] = {}
+    awaiting_first: set[str] = set()  # requests whose first token Nginx has not reported yet
+    run = Run(policy.value, backends, speedup)
+    seq = itertools.count()
+    events: list[tuple[float, int, int, str, Any]] = []
+    for r in requests:
+        heapq.heappush(events, (r.arrival / speedup, 1, next(seq), "arrive", r))
+    heapq.heappush(events, (0.0, 0, next(seq), "scrape", None))
+    frontend = profile.frontend_s
+    remaining = len(requests)
+    done = 0
+
+    def scrape() -> None:
+        at = time.monotonic()
+        for i, e in enumerate(engines):
+            registry.scrape_ok(
+                ids[i],
+                Scraped(
+                    float(e.num_running),
+                    float(e.num_waiting),
+                    e.pool.usage(),
+                    float(e.counters.prefix_queries),
+                    float(e.counters.prefix_hits),
+                    at,
+                ),
+            )
+        registry.changed()
+
+    def finish(ev: TokenEvent) -> None:
+        nonlocal done
+        req = ev.request
+        rid, decision, backend, reason = meta.pop(req.request_id)
+        first = req.first_token_time if req.first_token_time is not None else req.finish_time or req.arrival
+        end = req.finish_time if req.finish_time is not None else first
+        itl = (end - first) / (req.num_output - 1) if req.num_output > 1 else None
+        run.results.append(
+            Result(
+                rid,
+                backend,
+                req.arrival,
+                first - req.arrival,
+                end - req.arrival,
+                itl,
+                req.prompt_len,
+                req.cached_tokens or 0,
+                req.num_output,
+                reason,
+            )
+        )
+        service.report([Outcome(decision, backend, 200, first - req.arrival, True)])
+        done += 1
+        if progress is not None and done % 200 == 0:
+            progress(done, len(requests))
+
+    while events:
+        t, _, _, kind, payload = heapq.heappop(events)
+        if kind == "arrive":
+            r = payload
+            f = feats[r.rid]
+            snap = registry.snapshot(f.model)
+            admits = snap.bound_admits()
+            under = {n for n in snap.nodes if admits(n)}  # before this decision counts itself
+            reply = _sync(service.decide(f))
+            primary = reply["c"][0]
+            if not str(reply["r"]).startswith("session") and under and primary not in under:
+                run.bound_violations += 1
+            i = ids.index(primary)
+            req = Request(f"r{r.rid}", r.prompt_ids(), r.output_tokens, t, ignore_eos=True)
+            meta[req.request_id] = (r.rid, int(reply["i"]), primary, str(reply["r"]))
+            awaiting_first.add(req.request_id)
+            heapq.heappush(events, (t + frontend, 2, next(seq), "enqueue", (i, req)))
+            remaining -= 1
+        elif kind == "enqueue":
+            i, queued = payload
+            engines[i].add_request(queued)
+            if not busy[i]:
+                busy[i] = True
+                heapq.heappush(events, (t, 3, next(seq), "step", i))
+        elif kind == "step":
+            i = payload
+            for ev in pending[i]:
+                name = ev.request.request_id
+                if name in awaiting_first:
+                    # What Nginx's header filter reports when the stream starts.
+                    awaiting_first.discard(name)
+                    _, decision, backend, _ = meta[name]
+                    service.report([Outcome(decision, backend, 0, None, False, first_byte=True)])
+                if ev.finish_reason is not None:
+                    finish(ev)
+            pending[i] = []
+            result = engines[i].step(t)
+            if result is None:
+                busy[i] = False
+                continue
+            pending[i] = result.events
+            heapq.heappush(events, (result.end, 3, next(seq), "step", i))
+        elif kind == "scrape":
+            scrape()
+            if remaining or any(busy):
+                heapq.heappush(events, (t + scrape_interval, 0, next(seq), "scrape", None))
+    run.wall_s = time.perf_counter() - started
+    return run
+
+
+# -- yardsticks ---------------------------------------------------------------------------------------
+def pooled_cache_ideal(requests: Sequence[BenchRequest], backends: int, profile: Profile) -> list[int]:
+    """Cached tokens per request under one LRU cache holding every backend's KV capacity: what perfect
+    routing could at best approach. Trace requests are counted in their 512-token blocks, leading
+    blocks only (the trace's own yardstick); chat requests in vLLM's 16-token chained blocks."""
+    capacity_tokens = backends * (profile.num_gpu_blocks - 1) * BLOCK_SIZE
+    lru: OrderedDict[Any, None] = OrderedDict()
+    out = []
+    for r in sorted(requests, key=lambda x: x.arrival):
+        if r.blocks:
+            unit = TRACE_BLOCK_TOKENS
+            keys: list[Any] = list(r.blocks)
+            sizes = [min(unit, r.prompt_tokens - k * unit) for k in range(len(keys))]
+        else:
+            unit = BLOCK_SIZE
+            keys = block_hashes(r.prompt_ids())
+            sizes = [unit] * len(keys)
+        hit = 0
+        for k, size in zip(keys, sizes, strict=True):
+            if k not in lru:
+                break
+            hit += size
+        out.append(min(hit, r.prompt_tokens - 1) if not r.blocks else hit)
+        for k in keys:
+            lru[k] = None
+            lru.move_to_end(k)
+        cap = capacity_tokens // unit
+        while len(lru) > cap:
+            lru.popitem(last=False)
+    return out
+
+
+def zero_queue_ttft(requests: Sequence[BenchRequest], cached: Sequence[int], profile: Profile) -> list[float]:
+    """TTFT with no queueing and the pooled-ideal cache: frontend plus prefill of uncached tokens."""
+    out = []
+    budget = profile.max_num_batched_tokens
+    for r, c in zip(sorted(requests, key=lambda x: x.arrival), cached, strict=True):
+        u = max(1, r.prompt_tokens - c)
+        out.append(profile.frontend_s + math.ceil(u / budget) * profile.t0_s + profile.alpha_s * u)
+    return out

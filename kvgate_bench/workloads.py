@@ -1,0 +1,197 @@
+"""Benchmark workloads: one definition, replayed in virtual time or sent over HTTP.
+
+A workload is a list of ``BenchRequest``: when it arrives, what to send, and the exact output length
+(``max_tokens`` with ``ignore_eos``). Prompt text and token ids (under the simulator's tokenizer: one
+word = one token) are built on demand, since a whole trace held as text would take gigabytes.
+
+* ``trace``: a Mooncake-format JSONL trace. Each hash id becomes a deterministic block of 512 words
+  (same id, same text), the last block cut to fit ``input_length``; sent to ``/v1/completions``.
+* ``chat``: synthetic multi-turn chat: users with one of a few shared system prompts, conversations
+  that grow each turn (the previous answer is sent back), think time between turns; with or without
+  a session header.
+* ``mixed``: long RAG documents with short questions, plus short chats.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from vllm_sim import tokenizer
+
+TRACE_BLOCK_TOKENS = 512
+
+
+# Conversations reuse their blocks within minutes, so a few thousand cached blocks serve a whole trace.
+@lru_cache(maxsize=8192)
+def _block_words(hash_id: int) -> tuple[str, ...]:
+    return tuple(tokenizer.filler_words(f"trace-block-{hash_id}", TRACE_BLOCK_TOKENS))
+
+
+@lru_cache(maxsize=8192)
+def _block_ids(hash_id: int) -> tuple[int, ...]:
+    return tuple(tokenizer.word_id(w) for w in _block_words(hash_id))
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    rid: int
+    arrival: float  # seconds from the start, before any speed-up
+    output_tokens: int
+    prompt_tokens: int
+    model: str = "sim-model"
+    blocks: tuple[int, ...] = ()  # trace: 512-token block ids of a completions prompt
+    messages: tuple[dict[str, str], ...] = ()  # chat workloads
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.messages else "/v1/completions"
+
+    def _trace_words(self) -> list[str]:
+        words: list[str] = []
+        for h in self.blocks:
+            take = min(TRACE_BLOCK_TOKENS, self.prompt_tokens - len(words))
+            if take <= 0:
+                break
+            words.extend(_block_words(h)[:take])
+        return words
+
+    def body(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": self.output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        if self.messages:
+            out["messages"] = list(self.messages)
+        else:
+            out["prompt"] = " ".join(self._trace_words())
+        return out
+
+    def prompt_ids(self) -> list[int]:
+        if self.messages:
+            return tokenizer.encode(tokenizer.render_chat(self.messages))
+        ids: list[int] = []
+        for h in self.blocks:
+            take = min(TRACE_BLOCK_TOKENS, self.prompt_tokens - len(ids))
+            if take <= 0:
+                break
+            ids.extend(_block_ids(h)[:take])
+        return ids
+
+
+def load_trace(
+    path: Path,
+    start_s: float = 0.0,
+    duration_s: float | None = None,
+    limit: int | None = None,
+    model: str = "sim-model",
+) -> list[BenchRequest]:
+    out: list[BenchRequest] = []
+    with path.open() as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            t = row["timestamp"] / 1000.0
+            if t < start_s:
+                continue
+            if duration_s is not None and t >= start_s + duration_s:
+                break
+            out.append(
+                BenchRequest(
+                    len(out),
+                    t - start_s,
+                    max(1, int(row["output_length"])),
+                    int(row["input_length"]),
+                    model,
+                    tuple(row["hash_ids"]),
+                )
+            )
+            if limit is not None and len(out) >= limit:
+                break
+    return out
+
+
+def _chat_request(
+    rid: int,
+    t: float,
+    messages: list[dict[str, str]],
+    n_out: int,
+    model: str,
+    headers: dict[str, str] | None = None,
+) -> BenchRequest:
+    n_in = tokenizer.count(tokenizer.render_chat(messages))
+    return BenchRequest(rid, t, n_out, n_in, model, (), tuple(messages), headers or {})
+
+
+def synthetic_chat(
+    users: int = 64,
+    turns: int = 6,
+    system_prompts: int = 3,
+    system_tokens: int = 1500,
+    question_tokens: int = 120,
+    answer_tokens: int = 200,
+    think_s: float = 20.0,
+    span_s: float = 120.0,
+    session_header: bool = False,
+    seed: int = 1,
+    model: str = "sim-model",
+) -> list[BenchRequest]:
+    """Conversations that resend their whole history each turn, with think time between turns."""
+    rng = random.Random(seed)
+    systems = [" ".join(tokenizer.filler_words(f"system-{i}", system_tokens)) for i in range(system_prompts)]
+    events: list[tuple[float, int, list[dict[str, str]]]] = []
+    for u in range(users):
+        t = rng.uniform(0, span_s)
+        messages = [{"role": "system", "content": systems[u % system_prompts]}]
+        for turn in range(turns):
+            q = " ".join(tokenizer.filler_words(f"user-{u}-q{turn}", question_tokens))
+            messages = [*messages, {"role": "user", "content": q}]
+            events.append((t, u, list(messages)))
+            answer = " ".join(tokenizer.output_words(u * 1000 + turn, answer_tokens))
+            messages = [*messages, {"role": "assistant", "content": answer}]
+            t += rng.expovariate(1.0 / think_s)
+    events.sort(key=lambda e: e[0])
+    return [
+        _chat_request(i, t, m, answer_tokens, model, {"X-Session-ID": f"user-{u}"} if session_header else {})
+        for i, (t, u, m) in enumerate(events)
+    ]
+
+
+def mixed(
+    documents: int = 8,
+    doc_tokens: int = 16_000,
+    rag_questions: int = 120,
+    chats: int = 120,
+    span_s: float = 120.0,
+    seed: int = 2,
+    model: str = "sim-model",
+) -> list[BenchRequest]:
+    """Long documents asked short questions (RAG), interleaved with short independent chats."""
+    rng = random.Random(seed)
+    docs = [" ".join(tokenizer.filler_words(f"doc-{d}", doc_tokens)) for d in range(documents)]
+    events: list[tuple[float, list[dict[str, str]], int]] = []
+    for q in range(rag_questions):
+        question = " ".join(tokenizer.filler_words(f"rag-q{q}", 40))
+        events.append(
+            (
+                rng.uniform(0, span_s),
+                [
+                    {"role": "system", "content": docs[rng.randrange(documents)]},
+                    {"role": "user", "content": question},
+                ],
+                60,
+            )
+        )
+    for c in range(chats):
+        msg = " ".join(tokenizer.filler_words(f"short-{c}", rng.randint(20, 200)))
+        events.append((rng.uniform(0, span_s), [{"role": "user", "content": msg}], rng.randint(50, 300)))
+    events.sort(key=lambda e: e[0])
+    return [_chat_request(i, t, m, n, model) for i, (t, m, n) in enumerate(events)]
