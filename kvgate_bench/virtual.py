@@ -158,7 +158,7 @@ def replay(
         )
         service.report([Outcome(decision, backend, 200, first - req.arrival, True)])
         done += 1
-        if progress is not None and done % 200 == 0:
+        if progress is not None and (done % 200 == 0 or done == len(requests)):
             progress(done, len(requests))
 
     while events:

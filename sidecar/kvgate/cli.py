@@ -228,6 +228,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--lua-dir", default=str(ROOT / "lua"), help="where Nginx will find lua/kvgate")
     r.add_argument("--openresty", action="store_true", help="target OpenResty (no load_module lines)")
     r.set_defaults(func=cmd_render)
+    b = sub.add_parser(
+        "bench", help="benchmarks: virtual-time replay, live runs, side-by-side compare", add_help=False
+    )
+    b.set_defaults(func=None)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from kvgate_bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     args = p.parse_args(argv)
     return int(args.func(args))
 

@@ -1,0 +1,365 @@
+"""Live mode: stream a workload to any OpenAI-compatible URL and measure what clients see.
+
+``live`` sends to one URL (kvgate's gateway, a peer router, or a backend); ``compare`` starts fresh
+simulated backends for each target in turn (clean caches), starts the target in front of them
+(kvgate's gateway with each policy, or the peer routers ``vllm-router`` and ``sglang-router`` from a
+separate virtualenv this command manages), and runs the same workload against each.
+
+Simulated backends run at ``--time-scale S``, and arrivals are compressed by the same factor, so every
+wall-clock measurement is multiplied by S to report simulated seconds. A run is marked invalid when
+the client's send lag (p99) or the simulators' step-lag ratio exceeds its bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from kvgate.nginx_conf import ROOT, NginxSettings
+from kvgate.stack import Stack, free_port, free_ports, wait_tcp
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate_bench import report
+from kvgate_bench.report import Progress, Sample, Summary
+from kvgate_bench.workloads import BenchRequest
+
+MAX_SEND_LAG_S = 0.05  # wall: p99 lateness of the client's sends
+MAX_STEP_LAG = 0.05  # simulators' lost time / scheduled step time
+PEER_VENV = ROOT / ".bench-venv"
+KVGATE_POLICIES = ["round_robin", "least_load", "consistent_hash", "prefix", "kvgate"]
+PEER_TARGETS = [
+    "vllm-router:cache_aware",
+    "vllm-router:consistent_hash",
+    "vllm-router:power_of_two",
+    "sglang-router:cache_aware",
+]
+COUNTERS = (
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm_sim:step_overrun_seconds_total",
+    "vllm_sim:step_busy_seconds_total",
+)
+
+
+@dataclass
+class LiveRun:
+    samples: list[Sample]
+    makespan_wall: float
+    send_lag_p99: float
+    backend_deltas: dict[str, dict[str, float]]
+
+
+async def scrape_counters(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        text = await resp.text()
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in out:
+                out[s.name] += s.value
+    return out
+
+
+async def _one(session: aiohttp.ClientSession, url: str, r: BenchRequest, body: bytes) -> Sample:
+    t0 = time.perf_counter()
+    first: float | None = None
+    last = t0
+    n = 0
+    backend = ""
+    try:
+        async with session.post(
+            url + r.path, data=body, headers={"Content-Type": "application/json", **r.headers}
+        ) as resp:
+            backend = resp.headers.get("X-Kvgate-Backend", "")
+            if resp.status != 200:
+                await resp.read()
+                return Sample(0.0, None, time.perf_counter() - t0, 0, False, backend, r.prompt_tokens)
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                if first is None:
+                    chunk = json.loads(line[6:])
+                    choices = chunk.get("choices") or []
+                    if not choices:
+                        continue
+                    c = choices[0]
+                    text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                    if not text:
+                        continue  # the role chunk carries no token
+                    first = time.perf_counter()
+                    last = first
+                    n = 1
+                elif b'"choices":[]' not in line:
+                    last = time.perf_counter()
+                    n += 1
+    except (aiohttp.ClientError, TimeoutError):
+        return Sample(0.0, None, time.perf_counter() - t0, n, False, backend, r.prompt_tokens)
+    if first is None:
+        return Sample(0.0, None, time.perf_counter() - t0, 0, False, backend, r.prompt_tokens)
+    itl = (last - first) / (n - 1) if n > 1 else None
+    return Sample(first - t0, itl, last - t0, n, True, backend, r.prompt_tokens)
+
+
+async def run_live(
+    url: str,
+    reqs: Sequence[BenchRequest],
+    rate_factor: float,
+    backends: Sequence[str],
+    progress: Callable[[int, int], None] | None = None,
+) -> LiveRun:
+    """Send ``reqs`` at ``arrival / rate_factor`` wall seconds; ``rate_factor`` = speed-up x time scale."""
+    bodies = [json.dumps(r.body()).encode() for r in reqs]
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        before = {b: await scrape_counters(session, b) for b in backends}
+        loop = asyncio.get_running_loop()
+        start = loop.time() + 0.5
+        lags: list[float] = []
+        done = 0
+
+        async def fire(i: int, r: BenchRequest) -> Sample:
+            nonlocal done
+            at = start + r.arrival / rate_factor
+            await asyncio.sleep(max(0.0, at - loop.time()))
+            lags.append(loop.time() - at)
+            s = await _one(session, url, r, bodies[i])
+            done += 1
+            if progress is not None and (done % 20 == 0 or done == len(reqs)):
+                progress(done, len(reqs))
+            return s
+
+        samples = await asyncio.gather(*(fire(i, r) for i, r in enumerate(reqs)))
+        makespan = loop.time() - start
+        after = {b: await scrape_counters(session, b) for b in backends}
+    deltas = {b: {k: after[b][k] - before[b][k] for k in COUNTERS} for b in backends}
+    return LiveRun(list(samples), makespan, report.pct(lags, 0.99), deltas)
+
+
+def summarize_live(target: str, run: LiveRun, time_scale: float, speedup: float, **extra: Any) -> Summary:
+    s = time_scale
+    scaled = [
+        Sample(
+            x.ttft * s,
+            None if x.itl is None else x.itl * s,
+            x.e2e * s,
+            x.output_tokens,
+            x.ok,
+            x.backend,
+            x.prompt_tokens,
+        )
+        for x in run.samples
+    ]
+    d = run.backend_deltas
+    hits = sum(v["vllm:prefix_cache_hits_total"] for v in d.values())
+    queries = sum(v["vllm:prefix_cache_queries_total"] for v in d.values())
+    prefill = {b: v["vllm:prompt_tokens_total"] - v["vllm:prefix_cache_hits_total"] for b, v in d.items()}
+    busy = sum(v["vllm_sim:step_busy_seconds_total"] for v in d.values())
+    lost = sum(v["vllm_sim:step_overrun_seconds_total"] for v in d.values())
+    step_lag = lost / busy if busy > 0 else 0.0
+    problems = []
+    if run.send_lag_p99 > MAX_SEND_LAG_S:
+        problems.append(f"client send lag p99 {run.send_lag_p99 * 1000:.0f} ms")
+    if step_lag > MAX_STEP_LAG:
+        problems.append(f"simulator step lag {step_lag:.1%}")
+    note = "; ".join(problems) or f"send lag p99 {run.send_lag_p99 * 1000:.1f} ms, step lag {step_lag:.1%}"
+    return report.summarize(
+        target,
+        scaled,
+        run.makespan_wall * s,
+        hits / queries if queries else 0.0,
+        prefill,
+        speedup=speedup,
+        valid=not problems,
+        note=note,
+        **extra,
+    )
+
+
+# -- targets -------------------------------------------------------------------------------------------
+def ensure_peer_venv() -> Path | None:
+    """The peer routers live in their own virtualenv, never in kvgate's dependencies."""
+    bin_dir = PEER_VENV / "bin"
+    if (bin_dir / "vllm-router").exists() and (bin_dir / "sglang-router").exists():
+        return bin_dir
+    print(f"installing vllm-router and sglang-router into {PEER_VENV}", file=sys.stderr)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True, timeout=300)
+        subprocess.run(
+            [str(bin_dir / "pip"), "install", "-q", "vllm-router", "sglang-router"], check=True, timeout=1200
+        )
+    except (subprocess.SubprocessError, OSError) as exc:
+        print(f"peer routers unavailable ({exc}); skipping them", file=sys.stderr)
+        return None
+    return bin_dir
+
+
+def start_target(stack: Stack, target: str, workers: list[str], time_scale: float) -> str:
+    """Start ``target`` in front of ``workers``; returns its base URL."""
+    kind, _, policy = target.partition(":")
+    port = free_port()
+    if kind == "kvgate":
+        redis_port = free_port()
+        stack.start_redis(redis_port)
+        sock = stack.run_dir / "sidecar.sock"
+        interval = max(50, int(500 / time_scale))  # half a simulated second between scrapes
+        cfg = {
+            "listen": {"socket": str(sock), "http_port": free_port()},
+            "redis": {"url": f"redis://127.0.0.1:{redis_port}/0"},
+            "scrape": {
+                "interval_ms": interval,
+                "timeout_ms": min(interval, 250),
+                "stale_after_ms": 4 * interval,
+            },
+            "routing": {"policy": policy},
+            "backends": [{"id": f"sim-{i}", "url": u} for i, u in enumerate(workers)],
+        }
+        stack.start_sidecar(stack.write_sidecar_config(cfg, "sidecar"), sock)
+        stack.start_nginx(
+            NginxSettings(
+                listen=f"127.0.0.1:{port}", socket=str(sock), run_dir=str(stack.run_dir), workers=2
+            ),
+            port,
+        )
+        time.sleep(1.2)  # first peer list for fail-open
+        return f"http://127.0.0.1:{port}"
+    bin_dir = PEER_VENV / "bin"
+    if kind == "vllm-router":
+        argv = [
+            str(bin_dir / "vllm-router"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *workers,
+            "--policy",
+            policy,
+        ]
+    elif kind == "sglang-router":
+        argv = [
+            str(bin_dir / "sglang-router"),
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *workers,
+            "--policy",
+            policy,
+            "--prometheus-port",
+            str(free_port()),
+        ]
+    else:
+        raise ValueError(f"unknown target {target}")
+    stack._spawn(kind, argv)
+    wait_tcp(port, timeout=60, proc=stack.procs[kind])
+    time.sleep(2.0)  # worker discovery and health checks
+    return f"http://127.0.0.1:{port}"
+
+
+def add_parsers(sub: Any, add_workload_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    lv = sub.add_parser("live", help="stream the workload to one OpenAI-compatible URL")
+    add_workload_args(lv)
+    lv.add_argument("--url", required=True)
+    lv.add_argument("--backend-urls", nargs="*", default=[], help="backends to scrape for hit rate and lag")
+    lv.add_argument("--speedup", type=float, default=1.0)
+    lv.add_argument("--time-scale", type=float, default=1.0, help="the simulators' --time-scale")
+    lv.add_argument("--target", default="target")
+    lv.add_argument("--out", default="bench-results/live")
+    cp = sub.add_parser("compare", help="same workload through each target in turn, fresh backends each time")
+    add_workload_args(cp)
+    cp.add_argument("--backends", type=int, default=4)
+    cp.add_argument("--profile", default="llama3-8b-h100")
+    cp.add_argument("--speedups", type=float, nargs="+", default=[1.0])
+    cp.add_argument("--time-scale", type=float, default=4.0)
+    cp.add_argument("--targets", nargs="+", default=[f"kvgate:{p}" for p in KVGATE_POLICIES] + PEER_TARGETS)
+    cp.add_argument("--no-peers", action="store_true", help="skip the peer routers")
+    cp.add_argument("--out", default="bench-results/compare")
+
+
+def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from kvgate_bench.cli import build_workload
+
+    reqs = build_workload(args)
+    head = report.header(argv)
+    if args.mode == "live":
+        lr = asyncio.run(
+            run_live(args.url, reqs, args.speedup * args.time_scale, args.backend_urls, Progress(args.target))
+        )
+        row = summarize_live(args.target, lr, args.time_scale, args.speedup)
+        path = report.write(
+            Path(args.out),
+            f"live, {args.workload}",
+            head,
+            [row],
+            {args.target: [s.ttft * args.time_scale for s in lr.samples if s.ok]},
+        )
+        print(report.markdown_table([row]))
+        print(f"wrote {path}")
+        return 0
+    targets = list(args.targets)
+    notes: list[str] = []
+    if args.no_peers:
+        targets = [t for t in targets if t.startswith("kvgate:")]
+    elif any(not t.startswith("kvgate:") for t in targets) and ensure_peer_venv() is None:
+        notes.append("Peer routers skipped: they could not be installed.")
+        targets = [t for t in targets if t.startswith("kvgate:")]
+    rows: list[Summary] = []
+    cdfs: dict[str, list[float]] = {}
+    out = Path(args.out)
+    for speedup in args.speedups:
+        for target in targets:
+            stack = Stack(out / "run" / target.replace(":", "-"))
+            try:
+                port = free_ports(args.backends)
+                stack.start_sim(
+                    port,
+                    args.backends,
+                    "sim",
+                    "--model",
+                    args.model,
+                    "--profile",
+                    args.profile,
+                    "--time-scale",
+                    str(args.time_scale),
+                )
+                workers = [f"http://127.0.0.1:{port + i}" for i in range(args.backends)]
+                url = start_target(stack, target, workers, args.time_scale)
+                lr = asyncio.run(
+                    run_live(
+                        url, reqs, speedup * args.time_scale, workers, Progress(f"{target} x{speedup:g}")
+                    )
+                )
+            except (OSError, RuntimeError, TimeoutError) as exc:
+                notes.append(f"{target} x{speedup:g} failed to run: {exc}")
+                print(notes[-1], file=sys.stderr)
+                continue
+            finally:
+                stack.stop_all()
+            row = summarize_live(target, lr, args.time_scale, speedup)
+            rows.append(row)
+            if speedup == args.speedups[0]:
+                cdfs[target] = [s.ttft * args.time_scale for s in lr.samples if s.ok]
+            print(
+                f"  {target:30} x{speedup:<4g} TTFT mean {row.ttft_mean:.3f}s p90 {row.ttft_p90:.3f}s "
+                f"hit {row.hit_rate:.1%} imbalance {row.imbalance:.2f} errors {row.errors} "
+                f"{'' if row.valid else 'INVALID ' + row.note}",
+                file=sys.stderr,
+            )
+    path = report.write(
+        out, f"live compare, {args.workload}, {args.backends} backends", head, rows, cdfs, notes
+    )
+    print(f"wrote {path}")
+    return 0

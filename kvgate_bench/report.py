@@ -1,0 +1,241 @@
+"""Summaries and reports: per-target statistics, Markdown + JSON, and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One finished request as either mode measured it (seconds are simulated seconds)."""
+
+    ttft: float
+    itl: float | None
+    e2e: float
+    output_tokens: int
+    ok: bool
+    backend: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    target: str
+    requests: int
+    errors: int
+    ttft_mean: float
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    itl_mean: float
+    e2e_p99: float
+    throughput_tok_s: float
+    hit_rate: float
+    imbalance: float
+    ideal_hit_rate: float | None = None
+    zero_queue_ttft: float | None = None
+    speedup: float = 1.0
+    valid: bool = True
+    note: str = ""
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def summarize(
+    target: str,
+    samples: Sequence[Sample],
+    makespan: float,
+    hit_rate: float,
+    prefill_per_backend: Mapping[str, float],
+    **extra: Any,
+) -> Summary:
+    ok = [s for s in samples if s.ok]
+    ttfts = [s.ttft for s in ok]
+    itls = [s.itl for s in ok if s.itl is not None]
+    loads = [v for v in prefill_per_backend.values()]
+    imbalance = (
+        max(loads) / statistics.fmean(loads) if loads and statistics.fmean(loads) > 0 else float("nan")
+    )
+    return Summary(
+        target=target,
+        requests=len(samples),
+        errors=len(samples) - len(ok),
+        ttft_mean=statistics.fmean(ttfts) if ttfts else float("nan"),
+        ttft_p50=pct(ttfts, 0.5),
+        ttft_p90=pct(ttfts, 0.9),
+        ttft_p99=pct(ttfts, 0.99),
+        itl_mean=statistics.fmean(itls) if itls else float("nan"),
+        e2e_p99=pct([s.e2e for s in ok], 0.99),
+        throughput_tok_s=sum(s.output_tokens for s in ok) / makespan if makespan > 0 else float("nan"),
+        hit_rate=hit_rate,
+        imbalance=imbalance,
+        **extra,
+    )
+
+
+def header(argv: Sequence[str]) -> dict[str, Any]:
+    def version(cmd: list[str]) -> str:
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False)
+            return (out.stdout or out.stderr).strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.TimeoutExpired):
+            return "unavailable"
+
+    from kvgate_bench import __version__
+
+    return {
+        "command": " ".join(["kvgate", "bench", *argv]),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "kvgate": __version__,
+        "python": sys.version.split()[0],
+        "nginx": version(["nginx", "-v"]),
+        "machine": f"{platform.machine()}, {platform.system()} {platform.release()}, "
+        f"{_cpu_count()} CPUs, {platform.processor() or 'cpu'}",
+    }
+
+
+def _cpu_count() -> int:
+    import os
+
+    return os.cpu_count() or 0
+
+
+COLUMNS = [
+    ("target", "target", "{}"),
+    ("speedup", "speed-up", "{:g}"),
+    ("requests", "requests", "{}"),
+    ("errors", "errors", "{}"),
+    ("ttft_mean", "TTFT mean s", "{:.3f}"),
+    ("ttft_p50", "p50", "{:.3f}"),
+    ("ttft_p90", "p90", "{:.3f}"),
+    ("ttft_p99", "p99", "{:.3f}"),
+    ("itl_mean", "ITL mean ms", "{:.1f}"),
+    ("e2e_p99", "e2e p99 s", "{:.2f}"),
+    ("throughput_tok_s", "tok/s", "{:.0f}"),
+    ("hit_rate", "hit rate", "{:.1%}"),
+    ("ideal_hit_rate", "pooled ideal", "{:.1%}"),
+    ("imbalance", "imbalance", "{:.2f}"),
+    ("zero_queue_ttft", "zero-queue TTFT s", "{:.3f}"),
+]
+
+
+def markdown_table(rows: Sequence[Summary]) -> str:
+    lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        cells = []
+        for key, _, fmt in COLUMNS:
+            v = getattr(r, key)
+            if key == "itl_mean" and v == v:
+                v = v * 1000
+            cells.append("n/a" if v is None or (isinstance(v, float) and v != v) else fmt.format(v))
+        mark = "" if r.valid else " (INVALID: " + r.note + ")"
+        cells[0] += mark
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write(
+    out_dir: Path,
+    title: str,
+    head: Mapping[str, Any],
+    rows: Sequence[Summary],
+    cdfs: Mapping[str, Sequence[float]] | None = None,
+    notes: Sequence[str] = (),
+) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(
+        json.dumps({"header": head, "rows": [asdict(r) for r in rows]}, indent=1, allow_nan=True)
+    )
+    md = [
+        f"# {title}",
+        "",
+        *(f"- {k}: `{v}`" if k == "command" else f"- {k}: {v}" for k, v in head.items()),
+        "",
+        markdown_table(rows),
+        "",
+    ]
+    md += list(notes)
+    if cdfs:
+        plot_cdf(out_dir / "ttft_cdf.png", cdfs, title)
+        md += ["", "![TTFT CDF](ttft_cdf.png)"]
+    sweep: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        sweep.setdefault(r.target, []).append((r.speedup, r.ttft_mean))
+    if any(len(v) > 1 for v in sweep.values()):
+        plot_sweep(out_dir / "ttft_vs_rate.png", sweep, title)
+        md += ["", "![TTFT versus arrival rate](ttft_vs_rate.png)"]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(md) + "\n")
+    return path
+
+
+def plot_cdf(path: Path, cdfs: Mapping[str, Sequence[float]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, values in cdfs.items():
+        s = sorted(values)
+        if s:
+            ax.plot(s, [(i + 1) / len(s) for i in range(len(s))], label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT CDF — {title}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(path: Path, sweep: Mapping[str, Sequence[tuple[float, float]]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, points in sweep.items():
+        pts = sorted(points)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xlabel("arrival speed-up (x trace rate)")
+    ax.set_ylabel("mean TTFT (s)")
+    ax.set_title(f"Mean TTFT versus arrival rate — {title}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def __call__(self, done: int, total: int) -> None:
+        width = 30
+        filled = int(width * done / max(total, 1))
+        sys.stderr.write(f"\r{self.label:40} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+        sys.stderr.flush()
+        if done >= total:
+            sys.stderr.write("\n")
