@@ -23,7 +23,7 @@ setup: .setup-apt.stamp $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip 2>/dev/null
-	@$(PY) -m pip install -q -e '.[dev]'
+	@$(PY) -m pip install -q -e '.[dev,bench]'
 	@touch $@
 
 demo: setup
