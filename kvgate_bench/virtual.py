@@ -86,12 +86,13 @@ def replay(
     seed: int = 0,
     load_factor: float = 1.25,
     progress: Callable[[int, int], None] | None = None,
+    routing: dict[str, Any] | None = None,
 ) -> Run:
     started = time.perf_counter()
     cfg = Config.from_mapping(
         {
             "redis": {"url": None},
-            "routing": {"policy": policy.value, "load_factor": load_factor},
+            "routing": {"policy": policy.value, "load_factor": load_factor, **(routing or {})},
             "backends": [{"id": f"sim-{i}", "url": f"http://sim-{i}:8000"} for i in range(backends)],
         }
     )

@@ -208,11 +208,11 @@ def _bounded_walk(
 
 def _prefill_cost(req: Request, snap: Snapshot, node: str) -> int:
     """Prefill work ahead of this request's first token on ``node``: tokens already queued there for
-    prefill, plus the part of this prompt the node probably does not hold. Only depth beyond the
-    widely shared prefix counts: every node soon holds a common system prompt, and crediting it would
-    pull all traffic to whichever node served it first while queues are short."""
+    prefill, plus the part of this prompt the node probably does not hold. A shared prefix (a system
+    prompt, a popular document) is credited too: it is real saved work, and the load bound keeps its
+    first holder from taking more than ``c x`` its share until the others hold it as well."""
     est = req.features.est_tokens
-    own = max(0, req.prefix_depth.get(node, 0) - req.shared_depth)
+    own = req.prefix_depth.get(node, 0)
     cached = min(est, own * TOKENS_PER_CHUNK)
     return snap.inflight_tokens.get(node, 0) + est - cached
 
