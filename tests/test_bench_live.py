@@ -1,0 +1,76 @@
+"""Live benchmark mode end to end: the streaming client against real simulators and kvgate's gateway."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvgate.cli import main
+from kvgate.stack import Stack, free_ports
+
+pytestmark = pytest.mark.e2e
+
+
+def test_live_against_one_backend_reports_ttft_and_backend_hit_rate(stack: Stack, tmp_path: Path) -> None:
+    port = free_ports(1)
+    stack.start_sim(port, 1, "sim", "--model", "sim-model", "--time-scale", "2")
+    url = f"http://127.0.0.1:{port}"
+    code = main(
+        [
+            "bench",
+            "live",
+            "--workload",
+            "chat",
+            "--limit",
+            "30",
+            "--url",
+            url,
+            "--backend-urls",
+            url,
+            "--time-scale",
+            "2",
+            "--speedup",
+            "4",
+            "--target",
+            "one-sim",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    row = json.loads((tmp_path / "report.json").read_text())["rows"][0]
+    assert row["requests"] == 30 and row["errors"] == 0
+    assert 0.0 < row["ttft_p50"] < 5.0 and row["itl_mean"] > 0.005
+    assert row["hit_rate"] > 0.3  # shared system prompts and growing conversations hit the cache
+
+
+def test_compare_runs_each_kvgate_policy_on_fresh_backends(tmp_path: Path) -> None:
+    code = main(
+        [
+            "bench",
+            "compare",
+            "--workload",
+            "chat-sessions",
+            "--limit",
+            "30",
+            "--backends",
+            "2",
+            "--time-scale",
+            "2",
+            "--speedups",
+            "4",
+            "--no-peers",
+            "--targets",
+            "kvgate:round_robin",
+            "kvgate:kvgate",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert [r["target"] for r in rows] == ["kvgate:round_robin", "kvgate:kvgate"]
+    assert all(r["errors"] == 0 and r["requests"] == 30 for r in rows)
+    assert (tmp_path / "ttft_cdf.png").exists()
