@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from kvgate.cli import main
 from kvgate.stack import Stack, free_ports
 

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from kvgate.policies import PolicyName
+
 from kvgate_bench import workloads
 from kvgate_bench.virtual import features_for, pooled_cache_ideal, replay, zero_queue_ttft
 from vllm_sim.profiles import LLAMA3_8B_H100
