@@ -89,6 +89,7 @@ class Gateway:
         n: int,
         client_max_body_size: str = "16m",
         route_headers: bool = True,
+        read_timeout: str = "600s",
         **routing: Any,
     ) -> None:
         from kvgate.nginx_conf import NginxSettings
@@ -108,6 +109,8 @@ class Gateway:
             client_max_body_size=client_max_body_size,
             client_body_buffer_size="1m",
             route_headers=route_headers,
+            read_timeout=read_timeout,
+            retry_deadline="3s",
         )
         self.error_log = run_dir / "nginx-error.log"
         self.start_nginx()

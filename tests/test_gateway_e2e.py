@@ -252,6 +252,16 @@ def test_all_backends_failing_gives_502_json(fresh: Env) -> None:
     assert r.status_code == 502 and r.json()["error"]["code"] == 502
 
 
+def test_backends_that_never_answer_give_504_json(stack: Stack) -> None:
+    e = Env(stack, n=2, read_timeout="1s")
+    for i in range(e.n):
+        e.fault(f"sim-{i}", latency_ms=5000)  # accepts, answers far too late
+    t0 = time.perf_counter()
+    r = post(e.gw.url, chat(4, 1))
+    assert r.status_code == 504 and r.json()["error"]["code"] == 504
+    assert time.perf_counter() - t0 < 5  # bounded by the read timeout and the retry deadline
+
+
 def test_no_healthy_backend_gives_503_json(fresh: Env) -> None:
     for i in range(fresh.n):
         fresh.fault(f"sim-{i}", unhealthy=True)
