@@ -24,10 +24,7 @@ from kvgate.decision_client import DecisionClient, wire
 from kvgate.features import extract
 from kvgate.stack import Stack, free_port, free_ports
 
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+from kvgate_bench.report import pct, write_json
 
 
 def preload_sessions(port: int, n: int, backends: int) -> float:
@@ -90,8 +87,8 @@ def main() -> None:
                 assert reply.get("c"), reply
             line_bytes = len(json.dumps(msg))
             stats = {
-                "p50_ms": percentile(samples, 0.5) * 1000,
-                "p99_ms": percentile(samples, 0.99) * 1000,
+                "p50_ms": pct(samples, 0.5) * 1000,
+                "p99_ms": pct(samples, 0.99) * 1000,
                 "mean_ms": statistics.fmean(samples) * 1000,
                 "line_bytes": line_bytes,
             }
@@ -104,9 +101,7 @@ def main() -> None:
         client.close()
     finally:
         stack.stop_all()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"wrote {args.out}")
+    write_json(Path(args.out), results)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from typing import Any
 from kvgate.nginx_conf import DEBIAN_MODULES, NginxSettings, find_nginx
 from kvgate.stack import Stack, free_port, wait_tcp
 
+from kvgate_bench.report import pct, write_json
+
 MODEL = "bench-model"
 COMPLETION = json.dumps(
     {
@@ -116,9 +118,8 @@ def measure(ports: list[int], size: int, n: int, rate: float) -> list[list[float
     return out
 
 
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] * 1000
+def ms(values: list[float], q: float) -> float:
+    return pct(values, q) * 1000
 
 
 def main() -> None:
@@ -162,12 +163,12 @@ def main() -> None:
             measure([plain, gw], size, 50, args.rate)
             plain_t, gw_t = measure([plain, gw], size, args.requests, args.rate)
             row = {
-                "plain_p50_ms": pct(plain_t, 0.5),
-                "plain_p99_ms": pct(plain_t, 0.99),
-                "gateway_p50_ms": pct(gw_t, 0.5),
-                "gateway_p99_ms": pct(gw_t, 0.99),
-                "added_p50_ms": pct(gw_t, 0.5) - pct(plain_t, 0.5),
-                "added_p99_ms": pct(gw_t, 0.99) - pct(plain_t, 0.99),
+                "plain_p50_ms": ms(plain_t, 0.5),
+                "plain_p99_ms": ms(plain_t, 0.99),
+                "gateway_p50_ms": ms(gw_t, 0.5),
+                "gateway_p99_ms": ms(gw_t, 0.99),
+                "added_p50_ms": ms(gw_t, 0.5) - ms(plain_t, 0.5),
+                "added_p99_ms": ms(gw_t, 0.99) - ms(plain_t, 0.99),
                 "added_mean_ms": (statistics.fmean(gw_t) - statistics.fmean(plain_t)) * 1000,
             }
             results["sizes"][str(size)] = row
@@ -182,8 +183,8 @@ def main() -> None:
         for size in args.sizes:
             plain_t, fo_t = measure([plain, gw], size, args.requests, args.rate)
             row = {
-                "added_p50_ms": pct(fo_t, 0.5) - pct(plain_t, 0.5),
-                "added_p99_ms": pct(fo_t, 0.99) - pct(plain_t, 0.99),
+                "added_p50_ms": ms(fo_t, 0.5) - ms(plain_t, 0.5),
+                "added_p99_ms": ms(fo_t, 0.99) - ms(plain_t, 0.99),
             }
             results["fail_open"][str(size)] = row
             print(
@@ -193,9 +194,7 @@ def main() -> None:
             )
     finally:
         stack.stop_all()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"wrote {args.out}")
+    write_json(Path(args.out), results)
 
 
 if __name__ == "__main__":

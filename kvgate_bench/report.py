@@ -88,6 +88,13 @@ def summarize(
     )
 
 
+def write_json(path: Path, data: Any) -> None:
+    """Write a benchmark's figures and say where they went."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+    print(f"wrote {path}")
+
+
 def header(argv: Sequence[str]) -> dict[str, Any]:
     def version(cmd: list[str]) -> str:
         try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -27,6 +26,7 @@ import aiohttp
 from kvgate.stack import Stack
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate_bench.report import write_json
 from vllm_sim import tokenizer
 
 BUDGET = 0.05
@@ -102,22 +102,14 @@ async def run_scale(
 
         await asyncio.gather(watch_lag(), *(worker(i) for i in range(concurrency)))
         after = [await _metrics(session, u) for u in urls]
-    itl_sum = sum(
-        a["vllm:inter_token_latency_seconds_sum"] - b["vllm:inter_token_latency_seconds_sum"]
-        for a, b in zip(after, before, strict=True)
-    )
-    itl_n = sum(
-        a["vllm:inter_token_latency_seconds_count"] - b["vllm:inter_token_latency_seconds_count"]
-        for a, b in zip(after, before, strict=True)
-    )
-    lag = sum(
-        a["vllm_sim:step_overrun_seconds_total"] - b["vllm_sim:step_overrun_seconds_total"]
-        for a, b in zip(after, before, strict=True)
-    )
-    busy = sum(
-        a["vllm_sim:step_busy_seconds_total"] - b["vllm_sim:step_busy_seconds_total"]
-        for a, b in zip(after, before, strict=True)
-    )
+
+    def delta(name: str) -> float:
+        return sum(a[name] - b[name] for a, b in zip(after, before, strict=True))
+
+    itl_sum = delta("vllm:inter_token_latency_seconds_sum")
+    itl_n = delta("vllm:inter_token_latency_seconds_count")
+    lag = delta("vllm_sim:step_overrun_seconds_total")
+    busy = delta("vllm_sim:step_busy_seconds_total")
     engine_itl = itl_sum / itl_n / scale
     client_itl = statistics.fmean(gaps)
     excess = client_itl / engine_itl - 1.0
@@ -165,14 +157,10 @@ def main() -> None:
             f"{'OK' if run.ok else 'OVER 5%'}",
             flush=True,
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps(
-            {"instances": args.instances, "concurrency": args.concurrency, "runs": [asdict(r) for r in runs]},
-            indent=1,
-        )
+    write_json(
+        Path(args.out),
+        {"instances": args.instances, "concurrency": args.concurrency, "runs": [asdict(r) for r in runs]},
     )
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
