@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -112,6 +113,15 @@ def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # SIGTERM unwinds like Ctrl-C, so every process a run started is stopped on the way out.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvgate bench", description=__doc__)
     sub = p.add_subparsers(dest="mode", required=True)
     v = sub.add_parser(
