@@ -55,10 +55,10 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def _demo_config(
-    sim_port: int, instances: int, redis_port: int, run_dir: Path, token: str
+    sim_port: int, instances: int, redis_port: int, run_dir: Path, token: str, sidecar_port: int
 ) -> dict[str, object]:
     return {
-        "listen": {"socket": str(run_dir / "sidecar.sock"), "http_port": 9100, "admin_token": token},
+        "listen": {"socket": str(run_dir / "sidecar.sock"), "http_port": sidecar_port, "admin_token": token},
         "redis": {"url": f"redis://127.0.0.1:{redis_port}/0"},
         "backends": [
             {"id": f"sim-{i + 1}", "url": f"http://127.0.0.1:{sim_port + i}"} for i in range(instances)
@@ -92,7 +92,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             config = Config.from_file(config_path)
         else:
             config_path = stack.write_sidecar_config(
-                _demo_config(args.sim_port, args.backends, args.redis_port, run_dir, token), "kvgate"
+                _demo_config(
+                    args.sim_port, args.backends, args.redis_port, run_dir, token, args.sidecar_port
+                ),
+                "kvgate",
             )
             config = Config.from_file(config_path)
     except ConfigError as exc:
@@ -214,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     u.add_argument("--sim-port", type=int, default=8001)
     u.add_argument("--backends", type=int, default=3)
     u.add_argument("--redis-port", type=int, default=6380)
+    u.add_argument("--sidecar-port", type=int, default=9100, help="the sidecar's loopback HTTP API")
     u.add_argument("--time-scale", type=float, default=1.0)
     u.set_defaults(func=cmd_up)
     d = sub.add_parser("down", help="stop the stack `kvgate up` started")

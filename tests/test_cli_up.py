@@ -1,0 +1,76 @@
+"""`kvgate up` / `kvgate down`: the demo stack as a newcomer runs it, on free ports in a temp dir."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kvgate.stack import free_port, free_ports
+
+from tests.conftest import http_json, wait_until
+
+pytestmark = pytest.mark.e2e
+KVGATE = str(Path(sys.executable).parent / "kvgate")
+
+
+def test_up_serves_the_demo_and_down_stops_everything(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    port, sim, redis, sidecar = free_port(), free_ports(2), free_port(), free_port()
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - closed below
+    up = subprocess.Popen(
+        [
+            KVGATE,
+            "up",
+            "--run-dir",
+            str(run_dir),
+            "--port",
+            str(port),
+            "--sim-port",
+            str(sim),
+            "--backends",
+            "2",
+            "--redis-port",
+            str(redis),
+            "--sidecar-port",
+            str(sidecar),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(lambda: "kvgate is up" in (tmp_path / "up.log").read_text(), timeout=40)
+        status, body = http_json(
+            "POST",
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            {
+                "model": "meta-llama/Llama-3.1-8B-Instruct",
+                "max_tokens": 3,
+                "messages": [{"role": "user", "content": "Hello!"}],
+            },
+        )
+        assert status == 200 and body["usage"]["completion_tokens"] <= 3
+        assert len(http_json("GET", f"http://127.0.0.1:{sidecar}/v1/backends")[1]["backends"]) == 2
+        assert (
+            subprocess.run(
+                [KVGATE, "up", "--run-dir", str(run_dir)], capture_output=True, timeout=30
+            ).returncode
+            == 1
+        )  # a second stack from the same dir is refused
+        down = subprocess.run(
+            [KVGATE, "down", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=40
+        )
+        assert down.returncode == 0 and "stopped" in down.stdout
+        up.wait(timeout=20)
+        time.sleep(0.5)
+        for p in (port, sim, redis, sidecar):
+            with pytest.raises(OSError):
+                http_json("GET", f"http://127.0.0.1:{p}/", timeout=1)
+        assert not (run_dir / "kvgate-up.pid").exists()
+    finally:
+        if up.poll() is None:
+            up.terminate()
+            up.wait(timeout=20)
+        log.close()
