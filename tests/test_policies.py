@@ -67,8 +67,13 @@ def test_kvgate_follows_the_deepest_prefix_unless_everyone_has_it() -> None:
     everyone = {n: 1 for n in IDLE}
     d = decide(PolicyName.KVGATE, Request(feat(None, ("h1",)), 1, prefix_depth=everyone), s, 3)
     assert d.reason.startswith("ring")
+    # A widely shared prefix is credited as saved work (idle nodes: its holder wins) but is never
+    # reported as a prefix decision; the load bound, not the credit, stops it from drawing everything.
     shared_only = Request(feat(None, ("s1", "s2", "c")), 1, prefix_depth={"b1": 2}, shared_depth=2)
-    assert decide(PolicyName.KVGATE, shared_only, s, 3).reason.startswith("ring")
+    d = decide(PolicyName.KVGATE, shared_only, s, 3)
+    assert d.candidates[0] == "b1" and not d.reason.startswith("prefix")
+    busy = snap({"b0": load(), "b1": load(5), "b2": load(), "b3": load()})
+    assert decide(PolicyName.KVGATE, shared_only, busy, 3).candidates[0] != "b1"
 
 
 def test_kvgate_skips_a_prefix_holder_over_its_load_bound() -> None:
