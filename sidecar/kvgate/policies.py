@@ -179,8 +179,15 @@ def _best_prefix(req: Request, snap: Snapshot, admits: Callable[[str], bool]) ->
         return []
     if len(ok) == 1:
         return ok
-    ring_rank = {n: i for i, n in enumerate(snap.walk(_ring_key(req)))}
-    return sorted(ok, key=lambda n: ring_rank.get(n, len(ring_rank)))
+    # Ring order among the holders; stop walking once every holder is placed.
+    wanted = set(ok)
+    ordered: list[str] = []
+    for n in snap.walk(_ring_key(req)):
+        if n in wanted:
+            ordered.append(n)
+            if len(ordered) == len(wanted):
+                break
+    return ordered
 
 
 def prefix(req: Request, snap: Snapshot, limit: int) -> Decision:
