@@ -233,34 +233,12 @@ def start_target(stack: Stack, target: str, workers: list[str], time_scale: floa
         )
         time.sleep(1.2)  # first peer list for fail-open
         return f"http://127.0.0.1:{port}"
-    bin_dir = PEER_VENV / "bin"
+    # Both peers take the same flags; sglang-router needs "launch" and a metrics port of its own.
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", policy]
     if kind == "vllm-router":
-        argv = [
-            str(bin_dir / "vllm-router"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *workers,
-            "--policy",
-            policy,
-        ]
+        argv = [str(PEER_VENV / "bin" / kind), *common]
     elif kind == "sglang-router":
-        argv = [
-            str(bin_dir / "sglang-router"),
-            "launch",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *workers,
-            "--policy",
-            policy,
-            "--prometheus-port",
-            str(free_port()),
-        ]
+        argv = [str(PEER_VENV / "bin" / kind), "launch", *common, "--prometheus-port", str(free_port())]
     else:
         raise ValueError(f"unknown target {target}")
     stack._spawn(kind, argv)

@@ -9,7 +9,7 @@ from kvgate.ring import Ring
 
 
 def load(requests: float = 0.0, waiting: float = 0.0, kv: float = 0.1, known: bool = True) -> LoadView:
-    return LoadView(requests, int(requests), 0, kv, waiting, known)
+    return LoadView(requests, kv, waiting, known)
 
 
 def snap(loads: dict[str, LoadView], c: float = 1.25) -> Snapshot:

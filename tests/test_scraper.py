@@ -46,13 +46,17 @@ def test_garbage_or_foreign_metrics_are_a_scrape_error(text: str) -> None:
 
 def test_stale_stats_are_unknown_not_zero() -> None:
     s = Scraped(0.0, 0.0, 0.1, None, None, at=0.0)
-    fresh = view(s, 0, 0, now=1.0, stale_after=2.0, unknown_requests=7.0)
-    stale = view(s, 1, 0, now=3.0, stale_after=2.0, unknown_requests=7.0)
+    fresh = view(s, now=1.0, stale_after=2.0, unknown_requests=7.0)
+    stale = view(s, now=3.0, stale_after=2.0, unknown_requests=7.0)
     assert fresh.known and fresh.requests == 0.0
     assert not stale.known and stale.requests == 7.0
     assert not stale.saturated(1, 0.5), "unknown load must not count as saturation"
 
 
 def test_inflight_counts_between_scrapes() -> None:
+    from kvgate.policies import NodeView, Snapshot
+    from kvgate.ring import Ring
+
     s = Scraped(1.0, 0.0, 0.1, None, None, at=0.0)
-    assert view(s, 5, 100, now=0.1, stale_after=2.0, unknown_requests=0).requests == 5
+    nodes = {"a": NodeView("a", 1.0, view(s, now=0.1, stale_after=2.0, unknown_requests=0))}
+    assert Snapshot(nodes, Ring({"a": 1.0}), inflight={"a": 5}, inflight_tokens={"a": 100}).requests("a") == 5

@@ -25,8 +25,6 @@ class LoadView:
     """What a policy sees of one backend's load."""
 
     requests: float  # running + waiting, or a pessimistic estimate when unknown
-    inflight: int  # routed by this sidecar and not yet reported finished
-    inflight_tokens: int  # their estimated uncached prompt tokens
     kv_usage: float  # 0..1, 0.0 when unknown (``known`` tells)
     waiting: float
     known: bool
@@ -36,20 +34,13 @@ class LoadView:
         return self.known and (self.waiting >= max_waiting or self.kv_usage >= max_kv)
 
 
-def view(
-    scraped: Scraped | None,
-    inflight: int,
-    inflight_tokens: int,
-    now: float,
-    stale_after: float,
-    unknown_requests: float,
-) -> LoadView:
-    """Combine a scrape and in-flight counts; ``unknown_requests`` stands in for missing stats."""
+def view(scraped: Scraped | None, now: float, stale_after: float, unknown_requests: float) -> LoadView:
+    """A backend's load from its last scrape; ``unknown_requests`` stands in for missing or stale
+    stats. This sidecar's live in-flight counts are added by ``policies.Snapshot.requests``."""
     if scraped is None or now - scraped.at > stale_after:
-        return LoadView(max(unknown_requests, float(inflight)), inflight, inflight_tokens, 0.0, 0.0, False)
-    requests = max(scraped.running + scraped.waiting, float(inflight))
+        return LoadView(unknown_requests, 0.0, 0.0, False)
     kv = scraped.kv_usage if scraped.kv_usage is not None else 0.0
-    return LoadView(requests, inflight, inflight_tokens, kv, scraped.waiting, True)
+    return LoadView(scraped.running + scraped.waiting, kv, scraped.waiting, True)
 
 
 def spare_capacity(weight: float, load: LoadView) -> float:

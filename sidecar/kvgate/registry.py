@@ -135,7 +135,7 @@ class Registry:
 
     # -- load ---------------------------------------------------------------------------------------
     def load_of(self, s: BackendState, now: float, unknown: float) -> LoadView:
-        return view(s.scraped, 0, 0, now, self.scrape.stale_after_s, unknown)
+        return view(s.scraped, now, self.scrape.stale_after_s, unknown)
 
     def changed(self) -> None:
         """Scrapes, health or membership moved: rebuild snapshots on next use."""

@@ -89,14 +89,13 @@ class DecisionService:
             depth, shared = match.depth, match.shared
         keyed = policy is PolicyName.KVGATE and f.key is not None and bool(snap.nodes)
         bound = self.sessions.cached(f.key) if keyed and f.key else None
-        decision = decide(policy, Request(f, seq, bound, depth, shared), snap, limit)
+        req = Request(f, seq, bound, depth, shared)
+        decision = decide(policy, req, snap, limit)
         if not decision.candidates:
             self.metrics.no_backend.inc()
             return {"i": seq, "c": [], "a": [], "r": "no_backend", "v": self.registry.peers_version}
         if keyed and f.key:
-            decision = await self._settle_session(
-                f.key, decision, bound, Request(f, seq, bound, depth, shared), snap, limit, policy
-            )
+            decision = await self._settle_session(f.key, decision, req, snap, limit, policy)
         primary = decision.candidates[0]
         if f.hashes and policy in (PolicyName.KVGATE, PolicyName.PREFIX):
             self.index.record(f.hashes, primary)
@@ -129,7 +128,6 @@ class DecisionService:
         self,
         key: str,
         d: Decision,
-        bound: str | None,
         req: Request,
         snap: Any,
         limit: int,
@@ -143,7 +141,7 @@ class DecisionService:
         if d.bind == "rebind":
             self.metrics.affinity.labels("rebind").inc()
             await self.sessions.rebind(key, d.candidates[0])
-            logger.debug("rebound %s from %s to %s (%s)", key, bound, d.candidates[0], d.reason)
+            logger.debug("rebound %s from %s to %s (%s)", key, req.bound, d.candidates[0], d.reason)
             return d
         # Not in the local cache: claim the key for our pick; Redis answers with the binding in force.
         winner, existed = await self.sessions.claim(key, d.candidates[0])
