@@ -344,3 +344,52 @@ def test_keepalive_connection_reuse_to_backends(env: Env) -> None:
         pass
     for i in range(5):
         assert post(env.gw.url, chat(9000 + i, 1)).status_code == 200
+
+
+def raw_request(port: int, body: bytes, headers: dict[str, bytes]) -> tuple[int, Any]:
+    """POST with header values sent byte for byte (urllib would re-encode them)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(len(body)))
+        for k, v in headers.items():
+            conn.putheader(k, v)
+        conn.endheaders(body)
+        resp = conn.getresponse()
+        raw = resp.read()
+        return resp.status, json.loads(raw)
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    "body, headers, param",
+    [
+        (
+            b'{"model":"sim-model","messages":[{"role":"user","content":"x"}]}',
+            {"X-Session-ID": b"\xed\xa0\x80"},
+            None,
+        ),
+        (
+            b'{"model":"sim-model","messages":[{"role":"user","content":"x"}]}',
+            {"X-Session-ID": b"s-\xff"},
+            None,
+        ),
+        (
+            b'{"model":"sim-model","user":"\xed\xa0\x80","messages":[{"role":"user","content":"x"}]}',
+            {},
+            "user",
+        ),
+        (b'{"model":"sim-\xc0\xaf","messages":[{"role":"user","content":"x"}]}', {}, "model"),
+    ],
+)
+def test_text_that_is_not_utf8_gets_400_and_the_sidecar_lives(
+    env: Env, body: bytes, headers: dict[str, bytes], param: str | None
+) -> None:
+    status, err = raw_request(env.gw.port, body, headers)
+    assert status == 400 and "UTF-8" in err["error"]["message"] and err["error"]["param"] == param
+    r = post(env.gw.url, chat(7100, 1))
+    assert r.status_code == 200 and r.headers["X-Kvgate-Route"] != "fail-open"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 
@@ -172,3 +173,37 @@ def test_sighup_and_admin_reload_apply_the_config_file(stack: Stack, redis_port:
     status, body = sc.admin("POST", "/admin/reload")
     assert status == 400 and "backends[0].url" in body["error"]["message"]
     assert set(sc.backends()) == {"sim-1", "sim-2"}
+
+
+def test_hostile_bytes_on_the_socket_get_an_error_and_the_sidecar_lives(stack: Stack) -> None:
+    """Lone surrogates (raw or escaped), bytes that are not UTF-8 and non-finite numbers are refused
+    one line at a time; the connection and the process stay up."""
+    import socket
+
+    sim = start_backends(stack, 2)
+    sc = Sidecar(stack, "a", None, sim, 2)
+    lines = [
+        b'{"op":"decide","f":{"m":"sim-model","k":"h:\xed\xa0\x80","ks":"header","h":[],"b":1}}',
+        b'{"op":"decide","f":{"m":"sim-model","k":"h:\\ud800","ks":"header","h":[],"b":1}}',
+        b'{"op":"decide","f":{"m":"sim-\xff","k":"h:x","ks":"header","h":[],"b":1}}',
+        b'{"op":"decide","f":{"m":"sim-model","k":"u:\\udc00x","ks":"user","h":[],"b":Infinity}}',
+        b'{"op":"report","o":[{"i":Infinity,"b":"sim-0","s":200}]}',
+    ]
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(str(sc.socket))
+        f = s.makefile("rwb")
+        for line in lines:
+            f.write(line + b"\n")
+            f.flush()
+            if b'"report"' in line:
+                continue
+            reply = json.loads(f.readline())
+            assert reply["e"] == "bad_request", (line, reply)
+        f.write(b'{"op":"peers"}\n')
+        f.flush()
+        assert len(json.loads(f.readline())["peers"]) == 2
+    c = sc.client()
+    assert c.decide_body(chat(1, 1))["c"]
+    c.close()
+    assert stack.alive()["a"]

@@ -281,3 +281,24 @@ def test_fault_hang_accepts_and_never_answers(sim: str) -> None:
                 conn.recv(1)
     finally:
         http_json("DELETE", other + "/sim/faults")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"prompt": "a \\ud800 b", "max_tokens": 2}',  # a lone surrogate as a JSON escape
+        b'{"prompt": "a \xed\xa0\x80 b", "max_tokens": 2}',  # the same as raw bytes
+        b'{"prompt": "a b", "max_tokens": 2, "cache_salt": "\\udfff"}',
+    ],
+)
+def test_lone_surrogates_in_a_prompt_do_not_take_the_server_down(sim: str, body: bytes) -> None:
+    req = urllib.request.Request(
+        sim + "/v1/completions", method="POST", headers={"Content-Type": "application/json"}, data=body
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 400
+        exc.close()
+    assert http_json("GET", sim + "/health")[0] == 200

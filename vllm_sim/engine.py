@@ -194,7 +194,11 @@ class Engine:
             raise ValueError("prompt must contain at least one token")
         req.seq = next(self._seq)
         req.tokens = list(req.prompt_ids)
-        req.root_hash = NONE_HASH if req.cache_salt is None else mmh3.hash64(req.cache_salt, signed=True)[0]
+        req.root_hash = (
+            NONE_HASH
+            if req.cache_salt is None
+            else mmh3.hash64(tokenizer.utf8(req.cache_salt), signed=True)[0]
+        )
         req.hashes = block_hashes(req.tokens, parent=req.root_hash)
         req.output_len = self._output_len(req)
         req.output_words = tokenizer.output_words(self._request_seed(req), req.output_len)

@@ -37,15 +37,21 @@ _OUTPUT_WORDS: tuple[str, ...] = tuple(
 )
 
 
+def utf8(text: str) -> bytes:
+    """Bytes of client text for hashing. JSON lets a client send a lone surrogate; mmh3 crashes the
+    process on such a str, so every hash takes bytes (identical values for valid text)."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 @lru_cache(maxsize=1 << 16)
 def token_id(word: str) -> int:
     """Id of one word; cached because prompts repeat the same words over and over."""
-    return mmh3.hash(word, signed=False) % VOCAB_SIZE
+    return int(mmh3.hash(utf8(word), signed=False)) % VOCAB_SIZE
 
 
 def word_id(word: str) -> int:
     """Same as ``token_id`` without the cache, for words that are rarely seen twice."""
-    return int(mmh3.hash(word, signed=False)) % VOCAB_SIZE
+    return int(mmh3.hash(utf8(word), signed=False)) % VOCAB_SIZE
 
 
 def encode(text: str) -> list[int]:

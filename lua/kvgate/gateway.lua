@@ -25,6 +25,7 @@ local _M = { _VERSION = "0.1.0" }
 local PEERS_REFRESH_S = 1     -- how often one worker refreshes the fail-open peer list
 local REPORT_EVERY_S  = 0.1   -- outcome reports are flushed in batches this often
 local REPORT_MAX      = 10000 -- bound of one worker's unsent outcomes
+local TEXT_FIELDS     = { "session", "model", "user" }
 
 local conf = {
     session_header = "X-Session-ID",
@@ -175,7 +176,18 @@ function _M.access()
     if type(body) ~= "table" then
         return json_error(400, "The request body is not valid JSON.", "invalid_request_error")
     end
-    local f = features.extract(body, ngx.req.get_headers()[conf.session_header])
+    local session = ngx.req.get_headers()[conf.session_header]
+    -- What the gateway reads from the client crosses to the sidecar as text: it must be UTF-8.
+    for _, field in ipairs(TEXT_FIELDS) do
+        local value = field == "session" and session or body[field]
+        if type(value) == "string" and not features.valid_utf8(value) then
+            local what = field == "session" and ("The " .. conf.session_header .. " header")
+                         or ("`" .. field .. "`")
+            return json_error(400, what .. " is not valid UTF-8 text.", "invalid_request_error",
+                              field ~= "session" and field or nil)
+        end
+    end
+    local f = features.extract(body, session)
     local ctx = ngx.ctx
     local reply
     reply, err = sidecar.decide(f)

@@ -49,14 +49,14 @@ class DecisionServer:
                 return await self.service.decide(Features.from_wire(f))
             except UnknownModel as exc:
                 return {"e": "unknown_model", "msg": f"The model `{exc}` does not exist."}
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, OverflowError) as exc:
                 return {"e": "bad_request", "msg": f"malformed features: {exc}"}
         if op == "report":
             items = msg.get("o")
             if isinstance(items, list):
                 try:
                     self.service.report([Outcome.from_wire(o) for o in items if isinstance(o, dict)])
-                except (TypeError, ValueError) as exc:
+                except (TypeError, ValueError, OverflowError) as exc:
                     logger.warning("ignoring a malformed outcome report: %s", exc)
             return None
         if op == "peers":
@@ -83,8 +83,9 @@ class DecisionServer:
                     break
                 try:
                     msg = json.loads(line)
-                except json.JSONDecodeError:
-                    writer.write(b'{"e":"bad_request","msg":"not JSON"}\n')
+                except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes not UTF-8
+                    writer.write(b'{"e":"bad_request","msg":"not UTF-8 JSON"}\n')
+                    await writer.drain()
                     continue
                 answer = await self.handle(msg) if isinstance(msg, dict) else {"e": "bad_request"}
                 if answer is not None:

@@ -53,13 +53,32 @@ class Features:
             raise ValueError("h must be a list of hash strings")
         mt = d.get("mt")
         return cls(
-            model=d.get("m") or None,
-            key=d.get("k") or None,
+            model=_valid_text(d.get("m"), "m"),
+            key=_valid_text(d.get("k"), "k"),
             key_source=str(d.get("ks") or "none"),
             hashes=tuple(hashes),
             prompt_bytes=int(d.get("b") or 0),
             max_tokens=int(mt) if isinstance(mt, int) else None,
         )
+
+
+def _valid_text(value: Any, name: str) -> str | None:
+    """A client-supplied string, or None; refuses what is not valid Unicode text. JSON can carry a
+    lone surrogate, which is no character: it must never reach Redis, a hash or a C extension."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} is not valid UTF-8 text") from None
+    return value
+
+
+def utf8(text: str) -> bytes:
+    """Bytes of client text for hashing; a lone surrogate passes through as the bytes Nginx saw."""
+    return text.encode("utf-8", "surrogatepass")
 
 
 def _md5_16(data: bytes) -> str:
@@ -115,7 +134,7 @@ def extract(
     body: Mapping[str, Any], headers: Mapping[str, str] | None = None, session_header: str = "X-Session-ID"
 ) -> Features:
     text, first_user = canonical_text(body)
-    data = text.encode()
+    data = utf8(text)
     hashes = chunk_hashes(data)
     key: str | None = None
     source = "none"
@@ -129,7 +148,7 @@ def extract(
     elif isinstance(user, str) and user:
         key, source = "u:" + user, "user"
     elif first_user is not None:
-        key, source = "p:" + _md5_16(first_user.encode()[:KEY_BYTES]), "prefix"
+        key, source = "p:" + _md5_16(utf8(first_user)[:KEY_BYTES]), "prefix"
     elif hashes:
         key, source = "p:" + hashes[min(len(hashes), KEY_CHUNKS) - 1], "prefix"
     elif data:

@@ -15,7 +15,9 @@ import mmh3
 
 
 def key_hash(key: str) -> int:
-    return int(mmh3.hash(key, signed=False))
+    # Hash the UTF-8 bytes, never the str: mmh3 crashes the process on a str holding a lone surrogate
+    # (a client's X-Session-ID can carry one), and the bytes give the same value for every valid str.
+    return int(mmh3.hash(key.encode("utf-8", "surrogatepass"), signed=False))
 
 
 class Ring:
