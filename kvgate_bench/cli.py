@@ -1,4 +1,4 @@
-"""``kvgate bench``: virtual-time replay, live runs against any OpenAI URL, and side-by-side compare."""
+"""``kvgate-bench``: virtual-time replay, live runs against any OpenAI URL, and side-by-side compare."""
 
 from __future__ import annotations
 
@@ -8,36 +8,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvgate.policies import PolicyName
+from kvgate.config import PolicyName
 
-from kvgate_bench import report, workloads
+from kvgate_bench import live, report
 from kvgate_bench.report import Progress, Sample, Summary
+from kvgate_bench.workloads import add_workload_args, build_workload
 from vllm_sim.profiles import PROFILES, get_profile
-
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-)
-
-
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", choices=["trace", "chat", "chat-sessions", "mixed"], default="trace")
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
-    p.add_argument("--start", type=float, default=0.0, help="trace window start (s)")
-    p.add_argument("--duration", type=float, default=None, help="trace window length (s)")
-    p.add_argument("--limit", type=int, default=None, help="at most this many requests")
-    p.add_argument("--model", default="sim-model")
-
-
-def build_workload(args: argparse.Namespace) -> list[workloads.BenchRequest]:
-    if args.workload == "trace":
-        if not args.trace.exists():
-            raise SystemExit(f"kvgate bench: trace {args.trace} not found; pass --trace PATH")
-        return workloads.load_trace(args.trace, args.start, args.duration, args.limit, args.model)
-    if args.workload in ("chat", "chat-sessions"):
-        reqs = workloads.synthetic_chat(session_header=args.workload == "chat-sessions", model=args.model)
-    else:
-        reqs = workloads.mixed(model=args.model)
-    return reqs[: args.limit] if args.limit else reqs
 
 
 def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -122,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="kvgate bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="kvgate-bench", description=__doc__)
     sub = p.add_subparsers(dest="mode", required=True)
     v = sub.add_parser(
         "virtual", help="replay in virtual time through kvgate's policies and simulated engines"
@@ -135,9 +111,7 @@ def _main(argv: list[str]) -> int:
     v.add_argument("--speedups", type=float, nargs="+", default=[1.0], help="arrival-rate multipliers")
     v.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
     v.add_argument("--out", default="bench-results/virtual")
-    from kvgate_bench import live
-
-    live.add_parsers(sub, add_workload_args)
+    live.add_parsers(sub)
     args = p.parse_args(argv)
     if args.mode == "virtual":
         return cmd_virtual(args, argv)

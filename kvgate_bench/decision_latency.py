@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from kvgate.decision_client import DecisionClient, wire
 from kvgate.features import extract
-from kvgate.stack import Stack, free_port, free_ports
+from kvgate.protocol import Decide, DecisionReply, encode_message
+from kvgate.tools.decision_client import DecisionClient
+from kvgate.tools.launcher import Supervisor, free_port, free_ports, launch_replica
 
 from kvgate_bench.report import pct, write_json
 
@@ -50,18 +51,18 @@ def main() -> None:
     p.add_argument("--out", default="bench-results/decision_latency.json")
     args = p.parse_args()
     out_dir = Path(args.out).parent
-    stack = Stack(out_dir / "decision-latency-run")
+    sup = Supervisor(out_dir / "decision-latency-run")
     results: dict[str, Any] = {"backends": args.backends, "sessions": args.sessions, "sizes": {}}
     try:
         redis_port = free_port()
-        stack.start_redis(redis_port)
+        sup.start_redis(redis_port)
         sims = min(args.backends, 8)
         sim_port = free_ports(sims)
-        stack.start_sim(sim_port, sims, "sim", "--model", "bench-model")
+        sup.start_sim(sim_port, sims, "sim", "--model", "bench-model")
         if args.sessions:
             took = preload_sessions(redis_port, args.sessions, args.backends)
             print(f"preloaded {args.sessions:,} sessions in {took:.1f}s")
-        socket_path = stack.run_dir / "sidecar.sock"
+        socket_path = sup.run_dir / "sidecar.sock"
         config = {
             "listen": {"socket": str(socket_path), "http_port": free_port()},
             "redis": {"url": f"redis://127.0.0.1:{redis_port}/0", "prefix": "kvgate"},
@@ -72,7 +73,7 @@ def main() -> None:
                 for i in range(args.backends)
             ],
         }
-        stack.start_sidecar(stack.write_sidecar_config(config, "sidecar"), socket_path)
+        launch_replica(sup, "bench", config)
         client = DecisionClient(socket_path)
         for size in args.sizes:
             words = max(1, size // 8)
@@ -81,11 +82,12 @@ def main() -> None:
                 text = (f"conversation {i} " + "lorem ipsum dolor sit amet " * (words // 5 + 1))[:size]
                 body = {"model": "bench-model", "messages": [{"role": "user", "content": text}]}
                 key = f"preloaded-{i}" if args.sessions and i % 2 == 0 else f"new-{size}-{i}"
-                msg = {"op": "decide", "f": wire(extract(body, {"X-Session-ID": key}))}
+                msg = encode_message(Decide(extract(body, {"X-Session-ID": key})))
                 t0 = time.perf_counter()
-                reply = client.call(msg)
+                raw = client.send_raw(msg)
                 samples.append(time.perf_counter() - t0)
-                assert reply.get("c"), reply
+                reply = client.decode(raw)
+                assert isinstance(reply, DecisionReply) and reply.candidates, reply
                 # Untimed: the request ends, as Nginx's log phase reports it, so in-flight load
                 # stays realistic instead of piling up until every backend looks saturated.
                 client.finish(reply)
@@ -104,7 +106,7 @@ def main() -> None:
             )
         client.close()
     finally:
-        stack.stop_all()
+        sup.stop_all()
     write_json(Path(args.out), results)
 
 

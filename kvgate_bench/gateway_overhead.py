@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.nginx_conf import DEBIAN_MODULES, NginxSettings, find_nginx
-from kvgate.stack import Stack, free_port, wait_tcp
+from kvgate.tools.launcher import Supervisor, free_port, launch_replica, wait_listening
 
 from kvgate_bench.report import pct, write_json
 
@@ -129,8 +129,8 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=100.0, help="requests per second (open loop, one client)")
     p.add_argument("--out", default="bench-results/gateway_overhead.json")
     args = p.parse_args()
-    stack = Stack(Path(args.out).parent / "gateway-overhead-run")
-    run = stack.run_dir
+    sup = Supervisor(Path(args.out).parent / "gateway-overhead-run")
+    run = sup.run_dir
     (run / "nginx-tmp" / "body").mkdir(parents=True, exist_ok=True)
     (run / "nginx-tmp" / "proxy").mkdir(parents=True, exist_ok=True)
     nginx = find_nginx()
@@ -139,26 +139,22 @@ def main() -> None:
         backend, plain = free_port(), free_port()
         (run / "backend.conf").write_text(static_backend_conf(run, backend))
         (run / "plain.conf").write_text(plain_proxy_conf(run, plain, backend))
-        stack._spawn(
-            "backend", [nginx, "-p", str(run), "-c", str(run / "backend.conf"), "-e", str(run / "be.log")]
-        )
-        stack._spawn(
-            "plain", [nginx, "-p", str(run), "-c", str(run / "plain.conf"), "-e", str(run / "pl.log")]
-        )
-        wait_tcp(backend)
-        wait_tcp(plain)
+        for name, port in (("backend", backend), ("plain", plain)):
+            proc = sup.spawn(
+                name, [nginx, "-p", str(run), "-c", str(run / f"{name}.conf"), "-e", str(run / f"{name}.log")]
+            )
+            wait_listening(proc, port=port)
         socket_path = run / "sidecar.sock"
         cfg = {
             "listen": {"socket": str(socket_path), "http_port": free_port()},
             "redis": {"url": None},
             "backends": [{"id": "static", "url": f"http://127.0.0.1:{backend}"}],
         }
-        stack.start_sidecar(stack.write_sidecar_config(cfg, "sidecar"), socket_path)
         gw = free_port()
-        stack.start_nginx(
-            NginxSettings(listen=f"127.0.0.1:{gw}", socket=str(socket_path), run_dir=str(run), workers=2), gw
+        settings = NginxSettings(
+            listen=f"127.0.0.1:{gw}", socket=str(socket_path), run_dir=str(run), workers=2
         )
-        time.sleep(1.5)  # the fail-open peer list arrives within a second
+        replica = launch_replica(sup, "gateway", cfg, settings)
         for size in args.sizes:
             measure([plain, gw], size, 50, args.rate)
             plain_t, gw_t = measure([plain, gw], size, args.requests, args.rate)
@@ -178,7 +174,7 @@ def main() -> None:
                 f"{row['added_p50_ms']:+.3f} ms p99 {row['added_p99_ms']:+.3f} ms",
                 flush=True,
             )
-        stack.stop("sidecar")
+        sup.stop(replica.sidecar_name)
         results["fail_open"] = {}
         for size in args.sizes:
             plain_t, fo_t = measure([plain, gw], size, args.requests, args.rate)
@@ -193,7 +189,7 @@ def main() -> None:
                 flush=True,
             )
     finally:
-        stack.stop_all()
+        sup.stop_all()
     write_json(Path(args.out), results)
 
 

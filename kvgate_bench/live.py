@@ -24,17 +24,25 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from kvgate.nginx_conf import ROOT, NginxSettings
-from kvgate.stack import Stack, free_port, free_ports, wait_tcp
+from kvgate.nginx_conf import NginxSettings
+from kvgate.tools.launcher import (
+    Supervisor,
+    free_port,
+    free_ports,
+    get_json,
+    launch_replica,
+    wait_listening,
+    wait_ready,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_bench import report
 from kvgate_bench.report import Progress, Sample, Summary
-from kvgate_bench.workloads import BenchRequest
+from kvgate_bench.workloads import BenchRequest, add_workload_args, build_workload
 
 MAX_SEND_LAG_S = 0.05  # wall: p99 lateness of the client's sends
 MAX_STEP_LAG = 0.05  # simulators' lost time / scheduled step time
-PEER_VENV = ROOT / ".bench-venv"
+PEER_VENV = Path(__file__).resolve().parents[1] / ".bench-venv"  # beside the checkout's .venv
 KVGATE_POLICIES = ["round_robin", "least_load", "consistent_hash", "prefix", "kvgate"]
 PEER_TARGETS = [
     "vllm-router:cache_aware",
@@ -204,17 +212,17 @@ def ensure_peer_venv() -> Path | None:
     return bin_dir
 
 
-def start_target(stack: Stack, target: str, workers: list[str], time_scale: float) -> str:
-    """Start ``target`` in front of ``workers``; returns its base URL."""
+def start_target(sup: Supervisor, target: str, workers: list[str], time_scale: float) -> str:
+    """Start ``target`` in front of ``workers``; returns its base URL once it routes."""
     kind, _, policy = target.partition(":")
     port = free_port()
     if kind == "kvgate":
         redis_port = free_port()
-        stack.start_redis(redis_port)
-        sock = stack.run_dir / "sidecar.sock"
+        sup.start_redis(redis_port)
         interval = max(50, int(500 / time_scale))  # half a simulated second between scrapes
+        sock = str(sup.run_dir / "sidecar.sock")
         cfg = {
-            "listen": {"socket": str(sock), "http_port": free_port()},
+            "listen": {"socket": sock, "http_port": free_port()},
             "redis": {"url": f"redis://127.0.0.1:{redis_port}/0"},
             "scrape": {
                 "interval_ms": interval,
@@ -224,15 +232,8 @@ def start_target(stack: Stack, target: str, workers: list[str], time_scale: floa
             "routing": {"policy": policy},
             "backends": [{"id": f"sim-{i}", "url": u} for i, u in enumerate(workers)],
         }
-        stack.start_sidecar(stack.write_sidecar_config(cfg, "sidecar"), sock)
-        stack.start_nginx(
-            NginxSettings(
-                listen=f"127.0.0.1:{port}", socket=str(sock), run_dir=str(stack.run_dir), workers=2
-            ),
-            port,
-        )
-        time.sleep(1.2)  # first peer list for fail-open
-        return f"http://127.0.0.1:{port}"
+        settings = NginxSettings(listen=f"127.0.0.1:{port}", socket=sock, run_dir=str(sup.run_dir), workers=2)
+        return launch_replica(sup, "kvgate", cfg, settings).url
     # Both peers take the same flags; sglang-router needs "launch" and a metrics port of its own.
     common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", policy]
     if kind == "vllm-router":
@@ -241,13 +242,17 @@ def start_target(stack: Stack, target: str, workers: list[str], time_scale: floa
         argv = [str(PEER_VENV / "bin" / kind), "launch", *common, "--prometheus-port", str(free_port())]
     else:
         raise ValueError(f"unknown target {target}")
-    stack._spawn(kind, argv)
-    wait_tcp(port, timeout=60, proc=stack.procs[kind])
-    time.sleep(2.0)  # worker discovery and health checks
-    return f"http://127.0.0.1:{port}"
+    proc = sup.spawn(kind, argv)
+    wait_listening(proc, port=port, timeout=60)
+    url = f"http://127.0.0.1:{port}"
+    # Ready once it lists the workers' model: worker discovery and health checks are done.
+    wait_ready(
+        proc, "it lists the workers' model", lambda: bool(get_json(url + "/v1/models").get("data")), 60
+    )
+    return url
 
 
-def add_parsers(sub: Any, add_workload_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_parsers(sub: Any) -> None:
     lv = sub.add_parser("live", help="stream the workload to one OpenAI-compatible URL")
     add_workload_args(lv)
     lv.add_argument("--url", required=True)
@@ -268,8 +273,6 @@ def add_parsers(sub: Any, add_workload_args: Callable[[argparse.ArgumentParser],
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from kvgate_bench.cli import build_workload
-
     reqs = build_workload(args)
     head = report.header(argv)
     if args.mode == "live":
@@ -299,10 +302,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     out = Path(args.out)
     for speedup in args.speedups:
         for target in targets:
-            stack = Stack(out / "run" / target.replace(":", "-"))
+            sup = Supervisor(out / "run" / target.replace(":", "-"))
             try:
                 port = free_ports(args.backends)
-                stack.start_sim(
+                sup.start_sim(
                     port,
                     args.backends,
                     "sim",
@@ -314,7 +317,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                     str(args.time_scale),
                 )
                 workers = [f"http://127.0.0.1:{port + i}" for i in range(args.backends)]
-                url = start_target(stack, target, workers, args.time_scale)
+                url = start_target(sup, target, workers, args.time_scale)
                 lr = asyncio.run(
                     run_live(
                         url, reqs, speedup * args.time_scale, workers, Progress(f"{target} x{speedup:g}")
@@ -325,7 +328,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 print(notes[-1], file=sys.stderr)
                 continue
             finally:
-                stack.stop_all()
+                sup.stop_all()
             row = summarize_live(target, lr, args.time_scale, speedup)
             rows.append(row)
             if speedup == args.speedups[0]:

@@ -106,7 +106,7 @@ def header(argv: Sequence[str]) -> dict[str, Any]:
     from kvgate_bench import __version__
 
     return {
-        "command": " ".join(["kvgate", "bench", *argv]),
+        "command": " ".join(["kvgate-bench", *argv]),
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "kvgate": __version__,
         "python": sys.version.split()[0],

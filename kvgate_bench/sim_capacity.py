@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
-from kvgate.stack import Stack
+from kvgate.tools.launcher import Supervisor
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_bench.report import write_json
@@ -140,15 +140,15 @@ def main() -> None:
     args = p.parse_args()
     runs = []
     for scale in args.scales:
-        stack = Stack(Path(args.out).parent / "sim-capacity-run")
+        sup = Supervisor(Path(args.out).parent / "sim-capacity-run")
         try:
-            stack.start_sim(args.port, args.instances, "sim", "--time-scale", str(scale))
+            sup.start_sim(args.port, args.instances, "sim", "--time-scale", str(scale))
             urls = [f"http://127.0.0.1:{args.port + i}" for i in range(args.instances)]
             run = asyncio.run(
                 run_scale(urls, args.concurrency, scale, args.seconds, args.prompt_tokens, args.max_tokens)
             )
         finally:
-            stack.stop_all()
+            sup.stop_all()
         runs.append(run)
         print(
             f"time-scale {scale:>5g}: {run.requests:4d} requests, {run.tokens:6d} tokens, client ITL "

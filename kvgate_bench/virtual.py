@@ -18,15 +18,12 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvgate.config import Config
+from kvgate.config import Config, PolicyName
 from kvgate.features import Features, extract
 from kvgate.load import Scraped
-from kvgate.metrics import SidecarMetrics
-from kvgate.policies import PolicyName
-from kvgate.prefix_index import PrefixIndex
-from kvgate.registry import Registry
-from kvgate.service import DecisionService, Outcome
-from kvgate.sessions import SessionStore
+from kvgate.policies import SessionAction
+from kvgate.protocol import Outcome
+from kvgate.sidecar import build_sidecar
 
 from kvgate_bench.workloads import TRACE_BLOCK_TOKENS, BenchRequest
 from vllm_sim.engine import Engine, EngineConfig, Request, TokenEvent
@@ -96,13 +93,12 @@ def replay(
             "backends": [{"id": f"sim-{i}", "url": f"http://sim-{i}:8000"} for i in range(backends)],
         }
     )
-    metrics = SidecarMetrics()
-    registry = Registry(cfg.scrape, cfg.routing, metrics)
+    core = build_sidecar(cfg, None)
+    registry, service = core.registry, core.service
     registry.set_membership((b, False) for b in cfg.backends)
     models = frozenset({requests[0].model}) if requests else frozenset()
-    for state in registry.backends.values():
-        state.models = models
-    service = DecisionService(cfg, registry, SessionStore(cfg.redis, metrics, None), PrefixIndex(), metrics)
+    for bid in registry.backends:
+        registry.set_models(bid, models)
     engines = [Engine(EngineConfig.from_profile(profile, seed=seed + i)) for i in range(backends)]
     ids = [f"sim-{i}" for i in range(backends)]
     busy = [False] * backends
@@ -170,13 +166,13 @@ def replay(
             snap = registry.snapshot(f.model)
             admits = snap.bound_admits()
             under = {n for n in snap.nodes if admits(n)}  # before this decision counts itself
-            reply = _sync(service.decide(f))
-            primary = reply["c"][0]
-            if not str(reply["r"]).startswith("session") and under and primary not in under:
+            routed = _sync(service.decide(f))
+            primary = routed.decision.candidates[0]
+            if routed.decision.session is not SessionAction.KEEP and under and primary not in under:
                 run.bound_violations += 1
             i = ids.index(primary)
             req = Request(f"r{r.rid}", r.prompt_ids(), r.output_tokens, t, ignore_eos=True)
-            meta[req.request_id] = (r.rid, int(reply["i"]), primary, str(reply["r"]))
+            meta[req.request_id] = (r.rid, routed.decision_id, primary, routed.decision.label)
             awaiting_first.add(req.request_id)
             heapq.heappush(events, (t + frontend, 2, next(seq), "enqueue", (i, req)))
             remaining -= 1

@@ -14,6 +14,7 @@ word = one token) are built on demand, since a whole trace held as text would ta
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from dataclasses import dataclass, field
@@ -24,6 +25,10 @@ from typing import Any
 from vllm_sim import tokenizer
 
 TRACE_BLOCK_TOKENS = 512
+# The conversation trace of the checkout's shared/ folder (beside the project); --trace takes any other.
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+)
 
 
 # Conversations reuse their blocks within minutes, so a few thousand cached blocks serve a whole trace.
@@ -195,3 +200,25 @@ def mixed(
         events.append((rng.uniform(0, span_s), [{"role": "user", "content": msg}], rng.randint(50, 300)))
     events.sort(key=lambda e: e[0])
     return [_chat_request(i, t, m, n, model) for i, (t, m, n) in enumerate(events)]
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", choices=["trace", "chat", "chat-sessions", "mixed"], default="trace")
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
+    p.add_argument("--start", type=float, default=0.0, help="trace window start (s)")
+    p.add_argument("--duration", type=float, default=None, help="trace window length (s)")
+    p.add_argument("--limit", type=int, default=None, help="at most this many requests")
+    p.add_argument("--model", default="sim-model")
+
+
+def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
+    """The workload the command line of ``add_workload_args`` asks for."""
+    if args.workload == "trace":
+        if not args.trace.exists():
+            raise SystemExit(f"kvgate-bench: trace {args.trace} not found; pass --trace PATH")
+        return load_trace(args.trace, args.start, args.duration, args.limit, args.model)
+    if args.workload in ("chat", "chat-sessions"):
+        reqs = synthetic_chat(session_header=args.workload == "chat-sessions", model=args.model)
+    else:
+        reqs = mixed(model=args.model)
+    return reqs[: args.limit] if args.limit else reqs

@@ -1,30 +1,20 @@
--- Client of the sidecar's decision protocol: one JSON object per line over a unix socket, on
--- keepalive cosockets. Only callable where cosockets are allowed (access, content, timers).
+-- Client of the sidecar's socket: one JSON line each way over a unix socket, on keepalive cosockets.
+-- Only callable where cosockets are allowed (access, content, timers). What the lines say is
+-- kvgate.protocol's business; this module moves them.
 
-local cjson      = require "cjson.safe"
+local cjson    = require "cjson.safe"
+local conf     = require "kvgate.conf"
+local protocol = require "kvgate.protocol"
+
 local ngx_socket = ngx.socket.tcp
 
-local _M = { _VERSION = "0.1.0" }
+local _M = {}
 
 local KEEPALIVE_MS   = 60000
 local KEEPALIVE_POOL = 64
 
-local conf = {
-    socket = "unix:/tmp/kvgate-sidecar.sock",
-    timeout_ms = 50,          -- whole budget of one decision call, in ms
-    report_timeout_ms = 200,  -- outcome reports run in a timer, off the request path
-}
-
-function _M.configure(opts)
-    for k, v in pairs(opts) do
-        if conf[k] ~= nil then
-            conf[k] = v
-        end
-    end
-end
-
--- Sends one message and, when want_reply, reads one line back. Returns the decoded reply (or true)
--- or nil and an error string.
+-- Sends one message and, when want_reply, reads one line back. Returns the reply (checked for the
+-- protocol version) or true, else nil and an error string.
 local function call(msg, want_reply, timeout_ms)
     local line, err = cjson.encode(msg)
     if not line then
@@ -55,25 +45,33 @@ local function call(msg, want_reply, timeout_ms)
             sock:close()
             return nil, "failed to decode: " .. err
         end
+        reply, err = protocol.check(reply)
+        if not reply then
+            sock:close()
+            return nil, err
+        end
     end
-    sock:setkeepalive(KEEPALIVE_MS, KEEPALIVE_POOL)
+    ok = sock:setkeepalive(KEEPALIVE_MS, KEEPALIVE_POOL)
+    if not ok then
+        sock:close()
+    end
     return reply
 end
 
 function _M.decide(features)
-    return call({ op = "decide", f = features }, true, conf.timeout_ms)
+    return call(protocol.decide(features), true, conf.timeout_ms)
 end
 
 function _M.peers()
-    return call({ op = "peers" }, true, conf.report_timeout_ms)
+    return call(protocol.peers(), true, conf.report_timeout_ms)
 end
 
 function _M.models()
-    return call({ op = "models" }, true, conf.timeout_ms)
+    return call(protocol.models(), true, conf.timeout_ms)
 end
 
-function _M.report(items)
-    return call({ op = "report", o = items }, false, conf.report_timeout_ms)
+function _M.report(outcomes)
+    return call(protocol.report(outcomes), false, conf.report_timeout_ms)
 end
 
 return _M

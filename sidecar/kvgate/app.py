@@ -24,11 +24,10 @@ from kvgate.decision_socket import DecisionServer
 from kvgate.http_api import HttpApi
 from kvgate.membership import Membership
 from kvgate.metrics import SidecarMetrics
-from kvgate.prefix_index import PrefixIndex
 from kvgate.registry import Registry
 from kvgate.scraper import ScrapeError, scrape, served_models
 from kvgate.service import DecisionService
-from kvgate.sessions import SessionStore
+from kvgate.sidecar import build_sidecar
 
 logger = logging.getLogger(__name__)
 MODELS_EVERY = 20  # scrape rounds between /v1/models refreshes
@@ -66,10 +65,7 @@ async def _scrape_round(
         try:
             scraped = await scrape(session, url, sc.timeout_s)
             if want_models:
-                models = await served_models(session, url, sc.timeout_s)
-                state = registry.backends.get(bid)
-                if state is not None and state.models != models:
-                    state.models = models
+                registry.set_models(bid, await served_models(session, url, sc.timeout_s))
         except ScrapeError as exc:
             registry.failure(bid, str(exc))
             return
@@ -105,14 +101,10 @@ async def membership_loop(membership: Membership, interval_s: float) -> None:
 
 def create_app(config: Config, config_path: str | Path | None = None) -> web.Application:
     app = web.Application()
-    metrics = SidecarMetrics()
-    registry = Registry(config.scrape, config.routing, metrics)
     client = redis_client(config)
-    sessions = SessionStore(config.redis, metrics, client)
+    core = build_sidecar(config, client)
+    metrics, registry, sessions, service = core.metrics, core.registry, core.sessions, core.service
     membership = Membership(client, config.redis.prefix, registry, metrics)
-    service = DecisionService(
-        config, registry, sessions, PrefixIndex(config.routing.prefix_index_blocks), metrics
-    )
     app[SERVICE] = service
     app[REGISTRY] = registry
     app[MEMBERSHIP] = membership

@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import yaml
-
-from kvgate.policies import PolicyName
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SOCKET = ".run/kvgate-sidecar.sock"
@@ -23,6 +22,17 @@ DEFAULT_SOCKET = ".run/kvgate-sidecar.sock"
 
 class ConfigError(ValueError):
     pass
+
+
+class PolicyName(str, Enum):
+    """The routing policies (``kvgate.policies``), by the name the config file uses."""
+
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    LEAST_LOAD = "least_load"
+    CONSISTENT_HASH = "consistent_hash"
+    PREFIX = "prefix"
+    KVGATE = "kvgate"
 
 
 def _section(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -184,16 +194,23 @@ class ScrapeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadLimits:
+    """When a backend is full: the thresholds every policy reads, in one object."""
+
+    load_factor: float = 1.25  # c of the bounded-load walk: no new key above c x the fair share
+    saturation_waiting: int = 8  # queued requests at which a backend counts as saturated
+    saturation_kv: float = 0.95  # KV-cache usage at which a backend counts as saturated
+    saturation_prefill_tokens: int = 32_768  # prompt tokens routed and awaiting prefill (~1 s on an H100)
+
+
+@dataclass(frozen=True, slots=True)
 class RoutingConfig:
     policy: PolicyName = PolicyName.KVGATE
     per_model: Mapping[str, PolicyName] = field(default_factory=dict)
     session_header: str = "X-Session-ID"
-    load_factor: float = 1.25  # c of the bounded-load walk
+    limits: LoadLimits = LoadLimits()
     vnodes: int = 160  # ring points per unit of weight
     max_candidates: int = 3  # primary plus fallbacks returned to Nginx
-    saturation_waiting: int = 8  # queued requests at which a backend counts as saturated
-    saturation_kv: float = 0.95  # KV-cache usage at which a backend counts as saturated
-    saturation_prefill_tokens: int = 32_768  # prompt tokens routed and awaiting prefill (~1 s on an H100)
     prefix_index_blocks: int = 1_000_000  # memory bound of the approximate prefix index
 
     @classmethod
@@ -230,12 +247,14 @@ class RoutingConfig:
             policy=policy(d.get("policy", "kvgate"), f"{w}.policy"),
             per_model={str(m): policy(p, f"{w}.per_model.{m}") for m, p in per_model.items()},
             session_header=str(d.get("session_header", "X-Session-ID")),
-            load_factor=_num(d, w, "load_factor", 1.25, 1.0, 10.0),
+            limits=LoadLimits(
+                load_factor=_num(d, w, "load_factor", 1.25, 1.0, 10.0),
+                saturation_waiting=_int(d, w, "saturation_waiting", 8, 1, 100_000),
+                saturation_kv=_num(d, w, "saturation_kv", 0.95, 0.1, 1.0),
+                saturation_prefill_tokens=_int(d, w, "saturation_prefill_tokens", 32_768, 512, 10_000_000),
+            ),
             vnodes=_int(d, w, "vnodes", 160, 1, 4096),
             max_candidates=_int(d, w, "max_candidates", 3, 1, 16),
-            saturation_waiting=_int(d, w, "saturation_waiting", 8, 1, 100_000),
-            saturation_kv=_num(d, w, "saturation_kv", 0.95, 0.1, 1.0),
-            saturation_prefill_tokens=_int(d, w, "saturation_prefill_tokens", 32_768, 512, 10_000_000),
             prefix_index_blocks=_int(d, w, "prefix_index_blocks", 1_000_000, 1000, 100_000_000),
         )
 

@@ -1,25 +1,39 @@
-"""The decision protocol Nginx speaks over a unix socket: one JSON object per line, both ways.
+"""The sidecar's unix socket: serves the line protocol of ``kvgate.protocol`` to Nginx's Lua hook.
 
-Requests: ``{"op": "decide", "f": {features}}``, ``{"op": "report", "o": [outcomes]}`` (no answer
-line, so the log phase never waits), ``{"op": "peers"}``. Connections are kept alive by Nginx's
-cosocket pool, so a decision costs one write and one read on an open socket; no HTTP parsing.
+Connections are kept alive by Nginx's cosocket pool, so a decision costs one write and one read on an
+open socket; no HTTP parsing. A malformed line gets an error line, never a dropped connection or a
+traceback: the socket faces bytes that came from clients.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
-from typing import Any
+import time
 
-from kvgate.features import Features
+from kvgate import protocol
+from kvgate.protocol import (
+    Decide,
+    DecisionReply,
+    ErrorCode,
+    ErrorReply,
+    Message,
+    ModelsQuery,
+    ModelsReply,
+    PeersQuery,
+    PeersReply,
+    ProtocolError,
+    Reply,
+    Report,
+)
 from kvgate.registry import Registry
-from kvgate.service import DecisionService, Outcome, UnknownModel
+from kvgate.service import DecisionService, UnknownModel
 
 logger = logging.getLogger(__name__)
 MAX_LINE = 4 * 1024 * 1024  # features of a 128k-token prompt are ~20 KB; this is a safety bound
+VERSION_LOG_EVERY_S = 10.0  # a version mismatch is logged loudly, but not once per request
 
 
 class DecisionServer:
@@ -27,6 +41,7 @@ class DecisionServer:
         self.service = service
         self.registry = registry
         self.server: asyncio.Server | None = None
+        self._version_logged = 0.0
 
     async def start(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -39,57 +54,58 @@ class DecisionServer:
             self.server.close()
             await self.server.wait_closed()
 
-    async def handle(self, msg: dict[str, Any]) -> dict[str, Any] | None:
-        op = msg.get("op")
-        if op == "decide":
-            f = msg.get("f")
-            if not isinstance(f, dict):
-                return {"e": "bad_request", "msg": "decide needs f: {features}"}
+    async def handle(self, msg: Message) -> Reply | None:
+        if isinstance(msg, Decide):
             try:
-                return await self.service.decide(Features.from_wire(f))
+                routed = await self.service.decide(msg.features)
             except UnknownModel as exc:
-                return {"e": "unknown_model", "msg": f"The model `{exc}` does not exist."}
-            except (TypeError, ValueError, OverflowError) as exc:
-                return {"e": "bad_request", "msg": f"malformed features: {exc}"}
-        if op == "report":
-            items = msg.get("o")
-            if isinstance(items, list):
-                try:
-                    self.service.report([Outcome.from_wire(o) for o in items if isinstance(o, dict)])
-                except (TypeError, ValueError, OverflowError) as exc:
-                    logger.warning("ignoring a malformed outcome report: %s", exc)
+                return ErrorReply(ErrorCode.UNKNOWN_MODEL, f"The model `{exc}` does not exist.")
+            return DecisionReply(routed.decision_id, routed.candidates, routed.decision.label)
+        if isinstance(msg, Report):
+            self.service.report(msg.outcomes)
             return None
-        if op == "peers":
-            return self.registry.peers()
-        if op == "models":
-            return {
-                "object": "list",
-                "data": [
-                    {"id": m, "object": "model", "created": 0, "owned_by": "vllm"}
-                    for m in self.registry.models()
-                ],
-            }
-        return {"e": "bad_request", "msg": f"unknown op {op!r}"}
+        if isinstance(msg, PeersQuery):
+            version, peers = self.registry.peers()
+            return PeersReply(version, peers)
+        assert isinstance(msg, ModelsQuery)
+        return ModelsReply(tuple(self.registry.model_cards()))
+
+    def _refused(self, exc: ProtocolError) -> ErrorReply:
+        if exc.code is ErrorCode.PROTOCOL_VERSION:
+            now = time.monotonic()
+            if now - self._version_logged >= VERSION_LOG_EVERY_S:
+                self._version_logged = now
+                logger.error(
+                    "Nginx's Lua speaks another protocol version than this sidecar (%s); every request "
+                    "routes fail-open until both come from the same kvgate release",
+                    exc,
+                )
+        else:
+            logger.debug("refused a line: %s", exc)
+        return ErrorReply(exc.code, str(exc))
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
                 try:
-                    line = await reader.readline()
+                    raw = await reader.readline()
                 except (asyncio.LimitOverrunError, ValueError):
-                    writer.write(b'{"e":"bad_request","msg":"line too long"}\n')
+                    writer.write(
+                        protocol.line(
+                            protocol.encode_reply(ErrorReply(ErrorCode.BAD_REQUEST, "line too long"))
+                        )
+                    )
                     break
-                if not line:
+                if not raw:
                     break
+                reply: Reply | None
                 try:
-                    msg = json.loads(line)
-                except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes not UTF-8
-                    writer.write(b'{"e":"bad_request","msg":"not UTF-8 JSON"}\n')
-                    await writer.drain()
-                    continue
-                answer = await self.handle(msg) if isinstance(msg, dict) else {"e": "bad_request"}
-                if answer is not None:
-                    writer.write(json.dumps(answer, separators=(",", ":")).encode() + b"\n")
+                    reply = await self.handle(protocol.decode_message(raw))
+                except ProtocolError as exc:
+                    refusal = self._refused(exc)
+                    reply = refusal if exc.answered else None
+                if reply is not None:
+                    writer.write(protocol.line(protocol.encode_reply(reply)))
                     await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             pass

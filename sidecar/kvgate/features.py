@@ -38,42 +38,11 @@ class Features:
     key_source: str  # header | user | prefix | none
     hashes: tuple[str, ...]
     prompt_bytes: int
-    max_tokens: int | None = None
 
     @property
     def est_tokens(self) -> int:
         """Prompt tokens, estimated at 4 bytes per token (English text under BPE tokenizers)."""
         return self.prompt_bytes // 4
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> Features:
-        """Features as Lua sends them: ``{m, k, ks, h, b, mt}``."""
-        hashes = d.get("h") or ()
-        if not isinstance(hashes, list | tuple):
-            raise ValueError("h must be a list of hash strings")
-        mt = d.get("mt")
-        return cls(
-            model=_valid_text(d.get("m"), "m"),
-            key=_valid_text(d.get("k"), "k"),
-            key_source=str(d.get("ks") or "none"),
-            hashes=tuple(hashes),
-            prompt_bytes=int(d.get("b") or 0),
-            max_tokens=int(mt) if isinstance(mt, int) else None,
-        )
-
-
-def _valid_text(value: Any, name: str) -> str | None:
-    """A client-supplied string, or None; refuses what is not valid Unicode text. JSON can carry a
-    lone surrogate, which is no character: it must never reach Redis, a hash or a C extension."""
-    if value is None or value == "":
-        return None
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a string")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"{name} is not valid UTF-8 text") from None
-    return value
 
 
 def utf8(text: str) -> bytes:
@@ -154,12 +123,10 @@ def extract(
     elif data:
         key, source = "p:" + _md5_16(data), "prefix"
     model = body.get("model")
-    mt = body.get("max_completion_tokens", body.get("max_tokens"))
     return Features(
         model=model if isinstance(model, str) and model else None,
         key=key,
         key_source=source,
         hashes=tuple(hashes),
         prompt_bytes=len(data),
-        max_tokens=mt if isinstance(mt, int) and not isinstance(mt, bool) else None,
     )

@@ -7,6 +7,7 @@ disabled (403), never open.
 from __future__ import annotations
 
 import hmac
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -84,6 +85,7 @@ class HttpApi:
             "status": "ok" if eligible else "degraded",
             "eligible_backends": eligible,
             "redis": "ok" if self.service.sessions.redis_ok else "down",
+            "pid": os.getpid(),  # lets a launcher tell its own sidecar from a foreign one on the port
         }
         return web.json_response(body, status=200)
 
@@ -100,10 +102,7 @@ class HttpApi:
         )
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "vllm"} for m in self.registry.models()
-        ]
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": self.registry.model_cards()})
 
     async def backends(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -114,7 +113,8 @@ class HttpApi:
         )
 
     async def peers(self, request: web.Request) -> web.Response:
-        return web.json_response(self.registry.peers())
+        version, peers = self.registry.peers()
+        return web.json_response({"version": version, "peers": [p._asdict() for p in peers]})
 
     async def decide(self, request: web.Request) -> web.Response:
         """Decide for a whole request body (clients other than Nginx, tests, dry runs)."""
@@ -127,9 +127,22 @@ class HttpApi:
         headers = data.get("headers") if isinstance(data.get("headers"), dict) else {}
         f = feats.extract(data["body"], headers, self.config.routing.session_header)
         try:
-            return web.json_response(await self.service.decide(f))
+            routed = await self.service.decide(f)
         except UnknownModel as exc:
             return _error(404, f"The model `{exc}` does not exist.", "NotFoundError")
+        d = routed.decision
+        return web.json_response(
+            {
+                "decision_id": routed.decision_id,
+                "policy": routed.policy.value,
+                "candidates": [c._asdict() for c in routed.candidates],
+                "reason": d.reason.value,
+                "session": d.session.value,
+                "rebind_cause": None if d.rebind_cause is None else d.rebind_cause.value,
+                "route": d.label,
+                "key_source": f.key_source,
+            }
+        )
 
     async def _json_body(self, request: web.Request) -> dict[str, Any]:
         try:

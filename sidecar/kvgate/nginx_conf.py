@@ -15,7 +15,11 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the project checkout: nginx/, lua/ live here
+# The Lua code and the templates ship inside the package (``kvgate/assets``: links to the checkout's
+# lua/ and nginx/ in a source tree, copies in a wheel), so an installed kvgate renders on its own.
+ASSETS = Path(__file__).resolve().parent / "assets"
+LUA_DIR = (ASSETS / "lua").resolve()
+TEMPLATES = (ASSETS / "nginx").resolve()
 DEBIAN_MODULES = (
     "/usr/lib/nginx/modules/ndk_http_module.so",
     "/usr/lib/nginx/modules/ngx_http_lua_module.so",
@@ -38,7 +42,7 @@ class NginxSettings:
     client_max_body_size: str = "16m"
     client_body_buffer_size: str = "4m"
     access_log: bool = False
-    lua_dir: str = str(ROOT / "lua")  # where the gateway will find lua/kvgate/*.lua
+    lua_dir: str = str(LUA_DIR)  # where the gateway will find lua/kvgate/*.lua
 
 
 def find_nginx() -> str:
@@ -55,7 +59,7 @@ def _needs_modules(nginx: str) -> bool:
     return "openresty" not in (out.stderr + out.stdout).lower()
 
 
-def _user_directive() -> str:
+def user_directive() -> str:
     # Only a root master switches users; run workers as the invoking user so they can reach the
     # sidecar's socket (root's default for workers, nobody, cannot).
     if os.geteuid() != 0:
@@ -90,7 +94,7 @@ def render(
         "workers": str(settings.workers),
         "run_dir": str(run_dir),
         "access_log": f"{run_dir}/nginx-access.log" if settings.access_log else "off",
-        "user_directive": _user_directive(),
+        "user_directive": user_directive(),
         "load_modules": "",
     }
     names = ["kvgate-http.conf", "kvgate-server.conf", "kvgate-proxy.conf"]
@@ -105,7 +109,7 @@ def render(
         for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (run_dir / "nginx-tmp" / sub).mkdir(parents=True, exist_ok=True)
     for name in names:
-        text = (ROOT / "nginx" / f"{name}.in").read_text()
+        text = (TEMPLATES / f"{name}.in").read_text()
         # Only ${name} is ours; Nginx's own $variables pass through untouched.
         (out_dir / name).write_text(re.sub(r"\$\{(\w+)\}", lambda m: values[m.group(1)], text))
     return out_dir / names[-1]

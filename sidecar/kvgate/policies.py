@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvgate.config import LoadLimits, PolicyName
 from kvgate.features import CHUNK_BYTES, Features
 from kvgate.load import LoadView
 from kvgate.ring import Ring
@@ -34,13 +35,31 @@ CHOICES = 4  # ring successors a new key may choose between (power of d choices 
 TOKENS_PER_CHUNK = CHUNK_BYTES // 4  # prompt tokens per hashed chunk, at ~4 bytes per token
 
 
-class PolicyName(str, Enum):
+class Reason(str, Enum):
+    """Why the primary candidate was chosen."""
+
+    SESSION = "session"  # the session's bound backend
+    PREFIX = "prefix"  # the backend holding the deepest prefix of the prompt
+    RING = "ring"  # the key's owner on the consistent-hash ring
+    LOAD = "load"  # another ring successor, with less prefill work ahead
     ROUND_ROBIN = "round_robin"
     RANDOM = "random"
     LEAST_LOAD = "least_load"
-    CONSISTENT_HASH = "consistent_hash"
-    PREFIX = "prefix"
-    KVGATE = "kvgate"
+    NO_BACKEND = "no_backend"
+
+
+class SessionAction(str, Enum):
+    """What the decision means for the session key's binding."""
+
+    NONE = "none"  # no key, or a policy without sessions
+    KEEP = "keep"  # the binding in force was followed
+    BIND = "bind"  # a new key: bind it to the primary
+    REBIND = "rebind"  # the bound backend is gone or saturated: move the binding
+
+
+class RebindCause(str, Enum):
+    GONE = "gone"  # unhealthy, drained or removed
+    SATURATED = "saturated"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +75,7 @@ class Snapshot:
 
     nodes: Mapping[str, NodeView]
     ring: Ring
-    load_factor: float = 1.25
-    saturation_waiting: int = 8
-    saturation_kv: float = 0.95
-    saturation_prefill_tokens: int = 32_768
+    limits: LoadLimits = field(default_factory=LoadLimits)
     # Live in-flight counts of this sidecar, read-only here: the node views are cached between scrape
     # rounds, while these move with every decision and report.
     inflight: Mapping[str, int] = field(default_factory=dict)
@@ -80,15 +96,16 @@ class Snapshot:
 
     def saturated(self, node: str) -> bool:
         """Queueing (waiting requests or prefill tokens routed here) or out of KV cache."""
-        if self.inflight_tokens.get(node, 0) >= self.saturation_prefill_tokens:
+        limits = self.limits
+        if self.inflight_tokens.get(node, 0) >= limits.saturation_prefill_tokens:
             return True
-        return self.nodes[node].load.saturated(self.saturation_waiting, self.saturation_kv)
+        return self.nodes[node].load.saturated(limits.saturation_waiting, limits.saturation_kv)
 
     def bound_admits(self) -> Callable[[str], bool]:
         """Bounded-load test: a node may take one more request while under c x its fair share."""
         total = sum(self.requests(n) for n in self.nodes)
         weights = self.total_weight
-        c = self.load_factor
+        c = self.limits.load_factor
 
         def admits(node: str) -> bool:
             v = self.nodes[node]
@@ -110,8 +127,22 @@ class Request:
 @dataclass(frozen=True, slots=True)
 class Decision:
     candidates: tuple[str, ...]
-    reason: str
-    bind: str | None = None  # "bind" | "rebind" | None: what to record for the session key
+    reason: Reason
+    session: SessionAction = SessionAction.NONE
+    rebind_cause: RebindCause | None = None
+
+    @property
+    def label(self) -> str:
+        """The display form, in ``X-Kvgate-Route`` and metrics: ``prefix``, ``load/rebind-saturated``."""
+        if self.session is SessionAction.REBIND and self.rebind_cause is not None:
+            return f"{self.reason.value}/rebind-{self.rebind_cause.value}"
+        return self.reason.value
+
+
+def uncached_tokens(features: Features, depth_chunks: int) -> int:
+    """Prompt tokens a backend holding ``depth_chunks`` leading chunks of this prompt must prefill."""
+    est = features.est_tokens
+    return est - min(est, depth_chunks * TOKENS_PER_CHUNK)
 
 
 def _ring_key(req: Request) -> str:
@@ -147,21 +178,21 @@ def _load_order(snap: Snapshot) -> list[str]:
 def round_robin(req: Request, snap: Snapshot, limit: int) -> Decision:
     order = sorted(snap.nodes)
     i = req.seq % len(order)
-    return Decision(tuple((order[i:] + order[:i])[:limit]), "round_robin")
+    return Decision(tuple((order[i:] + order[:i])[:limit]), Reason.ROUND_ROBIN)
 
 
 def random_pick(req: Request, snap: Snapshot, limit: int) -> Decision:
     order = sorted(snap.nodes)
     random.Random(req.seq).shuffle(order)
-    return Decision(tuple(order[:limit]), "random")
+    return Decision(tuple(order[:limit]), Reason.RANDOM)
 
 
 def least_load(req: Request, snap: Snapshot, limit: int) -> Decision:
-    return Decision(tuple(_load_order(snap)[:limit]), "least_load")
+    return Decision(tuple(_load_order(snap)[:limit]), Reason.LEAST_LOAD)
 
 
 def consistent_hash(req: Request, snap: Snapshot, limit: int) -> Decision:
-    return Decision(tuple(itertools.islice(snap.walk(_ring_key(req)), limit)), "ring")
+    return Decision(tuple(itertools.islice(snap.walk(_ring_key(req)), limit)), Reason.RING)
 
 
 def _best_prefix(req: Request, snap: Snapshot, admits: Callable[[str], bool]) -> list[str]:
@@ -193,8 +224,8 @@ def _best_prefix(req: Request, snap: Snapshot, admits: Callable[[str], bool]) ->
 def prefix(req: Request, snap: Snapshot, limit: int) -> Decision:
     best = _best_prefix(req, snap, lambda n: not snap.saturated(n))
     if best:
-        return Decision(_with_fallbacks(best, _load_order(snap), limit), "prefix")
-    return Decision(tuple(_load_order(snap)[:limit]), "least_load")
+        return Decision(_with_fallbacks(best, _load_order(snap), limit), Reason.PREFIX)
+    return Decision(tuple(_load_order(snap)[:limit]), Reason.LEAST_LOAD)
 
 
 def _bounded_walk(
@@ -218,26 +249,18 @@ def _prefill_cost(req: Request, snap: Snapshot, node: str) -> int:
     prefill, plus the part of this prompt the node probably does not hold. A shared prefix (a system
     prompt, a popular document) is credited too: it is real saved work, and the load bound keeps its
     first holder from taking more than ``c x`` its share until the others hold it as well."""
-    est = req.features.est_tokens
-    own = req.prefix_depth.get(node, 0)
-    cached = min(est, own * TOKENS_PER_CHUNK)
-    return snap.inflight_tokens.get(node, 0) + est - cached
+    return snap.inflight_tokens.get(node, 0) + uncached_tokens(req.features, req.prefix_depth.get(node, 0))
 
 
 def kvgate(req: Request, snap: Snapshot, limit: int) -> Decision:
     admits = snap.bound_admits()
     key = _ring_key(req)
     walk, owner = _bounded_walk(snap, key, admits, max(limit, CHOICES))
-    has_key = req.features.key is not None
     bound = req.bound
     # Sticky until saturated: a bound session stays put unless its node queues or runs out of KV
     # cache; the fair-share bound only steers where new keys land.
     if bound is not None and bound in snap.nodes and not snap.saturated(bound):
-        return Decision(_with_fallbacks([bound], walk, limit), "session")
-    rebinding = bound is not None
-    why = ""
-    if rebinding:
-        why = "-gone" if bound not in snap.nodes else "-saturated"
+        return Decision(_with_fallbacks([bound], walk, limit), Reason.SESSION, SessionAction.KEEP)
     # A new key weighs cache against load: among the first under-bound nodes of its ring walk and the
     # nodes holding a deeper-than-shared prefix of it, the one whose first token comes soonest.
     candidates = [n for n in walk if admits(n)][:CHOICES]
@@ -248,15 +271,18 @@ def kvgate(req: Request, snap: Snapshot, limit: int) -> Decision:
     primary = min(candidates, key=lambda n: (_prefill_cost(req, snap, n), rank.get(n, len(rank))))
     depth = req.prefix_depth.get(primary, 0)
     if depth > req.shared_depth and depth > min(req.prefix_depth.get(n, 0) for n in candidates):
-        reason = "prefix"  # the cache it holds decided
+        reason = Reason.PREFIX  # the cache it holds decided
     elif primary == owner:
-        reason = "ring"
+        reason = Reason.RING
     else:
-        reason = "load"
-    action = ("rebind" if rebinding else "bind") if has_key else None
-    return Decision(
-        _with_fallbacks([primary], walk, limit), reason + (f"/rebind{why}" if rebinding else ""), action
-    )
+        reason = Reason.LOAD
+    fallbacks = _with_fallbacks([primary], walk, limit)
+    if bound is not None:
+        cause = RebindCause.GONE if bound not in snap.nodes else RebindCause.SATURATED
+        return Decision(fallbacks, reason, SessionAction.REBIND, cause)
+    if req.features.key is not None:
+        return Decision(fallbacks, reason, SessionAction.BIND)
+    return Decision(fallbacks, reason)
 
 
 POLICIES: dict[PolicyName, Callable[[Request, Snapshot, int], Decision]] = {
@@ -271,5 +297,5 @@ POLICIES: dict[PolicyName, Callable[[Request, Snapshot, int], Decision]] = {
 
 def decide(name: PolicyName, req: Request, snap: Snapshot, limit: int) -> Decision:
     if not snap.nodes:
-        return Decision((), "no_backend")
+        return Decision((), Reason.NO_BACKEND)
     return POLICIES[name](req, snap, limit)

@@ -16,6 +16,7 @@ from kvgate.config import BackendSpec, RoutingConfig, ScrapeConfig
 from kvgate.load import LoadView, Scraped, spare_capacity, view
 from kvgate.metrics import SidecarMetrics
 from kvgate.policies import NodeView, Snapshot
+from kvgate.protocol import Candidate
 from kvgate.ring import Ring
 
 logger = logging.getLogger(__name__)
@@ -160,17 +161,7 @@ class Registry:
         ]
         unknown = max(known) if known else 0.0  # pessimistic stand-in for stale stats
         nodes = {s.spec.id: NodeView(s.spec.id, s.spec.weight, self.load_of(s, now, unknown)) for s in chosen}
-        r = self.routing
-        snap = Snapshot(
-            nodes,
-            self.ring,
-            r.load_factor,
-            r.saturation_waiting,
-            r.saturation_kv,
-            r.saturation_prefill_tokens,
-            self.inflight,
-            self.inflight_tokens,
-        )
+        snap = Snapshot(nodes, self.ring, self.routing.limits, self.inflight, self.inflight_tokens)
         self._snapshots[model] = (self._generation, snap)
         return snap
 
@@ -186,14 +177,21 @@ class Registry:
     def models(self) -> list[str]:
         return sorted({m for s in self.backends.values() if s.eligible for m in s.models})
 
-    def peers(self) -> dict[str, object]:
-        eligible = [s for s in self.backends.values() if s.eligible]
-        return {
-            "v": self.peers_version,
-            "peers": [
-                {"id": s.spec.id, "addr": s.spec.address} for s in sorted(eligible, key=lambda x: x.spec.id)
-            ],
-        }
+    def model_cards(self) -> list[dict[str, object]]:
+        """``/v1/models`` entries for the models eligible backends serve."""
+        return [{"id": m, "object": "model", "created": 0, "owned_by": "vllm"} for m in self.models()]
+
+    def set_models(self, bid: str, models: frozenset[str]) -> None:
+        """The models a backend serves, from its /v1/models."""
+        s = self.backends.get(bid)
+        if s is not None and s.models != models:
+            s.models = models
+            self.changed()
+
+    def peers(self) -> tuple[int, tuple[Candidate, ...]]:
+        """The fail-open peer list Nginx keeps: (version, eligible backends sorted by id)."""
+        eligible = sorted((s for s in self.backends.values() if s.eligible), key=lambda x: x.spec.id)
+        return self.peers_version, tuple(Candidate(s.spec.id, s.address) for s in eligible)
 
     def address(self, bid: str) -> str:
         return self.backends[bid].address

@@ -7,6 +7,7 @@ and the pure policy. Everything else (scraping, membership, ring builds) happens
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -14,42 +15,31 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.config import Config
+from kvgate.config import Config, PolicyName
 from kvgate.features import Features
 from kvgate.metrics import SidecarMetrics
-from kvgate.policies import TOKENS_PER_CHUNK, Decision, PolicyName, Request, decide
+from kvgate.policies import Decision, Request, SessionAction, Snapshot, decide, uncached_tokens
 from kvgate.prefix_index import PrefixIndex
+from kvgate.protocol import Candidate, Outcome
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    decision_id: int
-    backend: str
-    status: int  # 0 when no response came back (connection failure)
-    ttft: float | None
-    sent: bool  # whether response bytes reached the client
-    first_byte: bool = False  # an early report: headers arrived, the request finished its prefill
-
-    @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Outcome:
-        ttft = d.get("t")
-        if d.get("f"):
-            return cls(int(d.get("i") or 0), str(d.get("b") or ""), 0, None, False, True)
-        return cls(
-            int(d.get("i") or 0),
-            str(d.get("b") or ""),
-            int(d.get("s") or 0),
-            float(ttft) if isinstance(ttft, int | float) else None,
-            bool(d.get("x")),
-        )
+RECENT_DECISIONS = 256  # kept for GET /debug/decisions
 
 
 class UnknownModel(Exception):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """One decision as the service made it: the policy's choice with the backends' addresses."""
+
+    decision_id: int
+    policy: PolicyName
+    decision: Decision
+    candidates: tuple[Candidate, ...]
 
 
 class DecisionService:
@@ -67,13 +57,13 @@ class DecisionService:
         self.index = index
         self.metrics = metrics
         self._seq = itertools.count(1)
-        self.recent: deque[dict[str, Any]] = deque(maxlen=256)  # for GET /debug/decisions
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
 
     def policy_for(self, model: str | None) -> PolicyName:
         r = self.config.routing
         return r.per_model.get(model, r.policy) if model else r.policy
 
-    async def decide(self, f: Features) -> dict[str, Any]:
+    async def decide(self, f: Features) -> Routed:
         t0 = time.perf_counter()
         if f.model is not None and self.registry.serves(f.model) is False:
             self.metrics.unknown_model.inc()
@@ -84,7 +74,8 @@ class DecisionService:
         limit = self.config.routing.max_candidates
         depth: dict[str, int] = {}
         shared = 0
-        if policy in (PolicyName.KVGATE, PolicyName.PREFIX) and f.hashes and snap.nodes:
+        uses_index = policy in (PolicyName.KVGATE, PolicyName.PREFIX)
+        if uses_index and f.hashes and snap.nodes:
             match = self.index.match(f.hashes, snap.nodes)
             depth, shared = match.depth, match.shared
         keyed = policy is PolicyName.KVGATE and f.key is not None and bool(snap.nodes)
@@ -93,55 +84,46 @@ class DecisionService:
         decision = decide(policy, req, snap, limit)
         if not decision.candidates:
             self.metrics.no_backend.inc()
-            return {"i": seq, "c": [], "a": [], "r": "no_backend", "v": self.registry.peers_version}
+            return Routed(seq, policy, decision, ())
         if keyed and f.key:
-            decision = await self._settle_session(f.key, decision, req, snap, limit, policy)
+            decision = await self._settle_session(f.key, decision, req, snap, policy)
         primary = decision.candidates[0]
-        if f.hashes and policy in (PolicyName.KVGATE, PolicyName.PREFIX):
+        if f.hashes and uses_index:
             self.index.record(f.hashes, primary)
-        uncached = max(0, f.est_tokens - depth.get(primary, 0) * TOKENS_PER_CHUNK)
-        self.registry.start(seq, primary, uncached, time.monotonic())
-        self.metrics.decisions.labels(policy.value, decision.reason).inc()
+        self.registry.start(seq, primary, uncached_tokens(f, depth.get(primary, 0)), time.monotonic())
+        self.metrics.decisions.labels(policy.value, decision.label).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
-        out = {
-            "i": seq,
-            "c": list(decision.candidates),
-            "a": [self.registry.address(b) for b in decision.candidates],
-            "r": decision.reason,
-            "k": f.key,
-            "v": self.registry.peers_version,
-        }
+        routed = Routed(
+            seq, policy, decision, tuple(Candidate(b, self.registry.address(b)) for b in decision.candidates)
+        )
         self.recent.append(
             {
-                **out,
-                "ks": f.key_source,
-                "m": f.model,
-                "h": list(f.hashes[:64]),
-                "nh": len(f.hashes),
-                "b": f.prompt_bytes,
-                "p": policy.value,
+                "id": seq,
+                "policy": policy.value,
+                "route": decision.label,
+                "candidates": list(decision.candidates),
+                "model": f.model,
+                "key": f.key,
+                "key_source": f.key_source,
+                "hashes": list(f.hashes[:64]),
+                "chunks": len(f.hashes),
+                "prompt_bytes": f.prompt_bytes,
             }
         )
-        return out
+        return routed
 
     async def _settle_session(
-        self,
-        key: str,
-        d: Decision,
-        req: Request,
-        snap: Any,
-        limit: int,
-        policy: PolicyName,
+        self, key: str, d: Decision, req: Request, snap: Snapshot, policy: PolicyName
     ) -> Decision:
         """Make the session store agree with the decision: one Redis round trip at most, none when
         the binding came from the local cache and still holds."""
-        if d.reason == "session":
+        if d.session is SessionAction.KEEP:
             self.metrics.affinity.labels("hit").inc()
             return d
-        if d.bind == "rebind":
+        if d.session is SessionAction.REBIND:
             self.metrics.affinity.labels("rebind").inc()
             await self.sessions.rebind(key, d.candidates[0])
-            logger.debug("rebound %s from %s to %s (%s)", key, req.bound, d.candidates[0], d.reason)
+            logger.debug("rebound %s from %s to %s (%s)", key, req.bound, d.candidates[0], d.label)
             return d
         # Not in the local cache: claim the key for our pick; Redis answers with the binding in force.
         winner, existed = await self.sessions.claim(key, d.candidates[0])
@@ -150,16 +132,16 @@ class DecisionService:
             return d
         # The session was bound already (earlier, or by another replica): decide again knowing it.
         again = decide(
-            policy, Request(req.features, req.seq, winner, req.prefix_depth, req.shared_depth), snap, limit
+            policy, dataclasses.replace(req, bound=winner), snap, self.config.routing.max_candidates
         )
-        if again.reason == "session":
+        if again.session is SessionAction.KEEP:
             self.metrics.affinity.labels("hit").inc()
             return again
         self.metrics.affinity.labels("rebind").inc()
         await self.sessions.rebind(key, again.candidates[0])
         return again
 
-    def report(self, outcomes: list[Outcome]) -> None:
+    def report(self, outcomes: tuple[Outcome, ...] | list[Outcome]) -> None:
         for o in outcomes:
             if o.first_byte:
                 self.registry.prefill_done(o.decision_id)

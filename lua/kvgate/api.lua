@@ -1,0 +1,55 @@
+-- Routes Nginx answers itself: /v1/models (from the sidecar, or the last answer while it is away)
+-- and /kvgate/health.
+
+local cjson    = require "cjson.safe"
+local conf     = require "kvgate.conf"
+local errors   = require "kvgate.errors"
+local failopen = require "kvgate.failopen"
+local process  = require "ngx.process"
+local protocol = require "kvgate.protocol"
+local reports  = require "kvgate.reports"
+local sidecar  = require "kvgate.sidecar"
+
+local ngx     = ngx
+local ngx_log = ngx.log
+local ngx_ERR = ngx.ERR
+
+local _M = {}
+
+local function send_json(encoded)
+    ngx.header["Content-Type"] = "application/json"
+    return ngx.say(encoded)
+end
+
+function _M.models()
+    local dict = ngx.shared[conf.dict]
+    local reply = sidecar.models()
+    local cards = reply and protocol.model_list(reply)
+    if cards then
+        local encoded = cjson.encode({ object = "list", data = cards })
+        local ok, err = dict:set("models:last", encoded)
+        if not ok then
+            ngx_log(ngx_ERR, "kvgate: failed to keep the model list: ", err)
+        end
+        return send_json(encoded)
+    end
+    local last = dict:get("models:last")
+    if last then
+        return send_json(last)
+    end
+    return errors.send(503, "The model list is unavailable (routing sidecar unreachable).")
+end
+
+function _M.unknown_route()
+    return errors.send(404, "Unknown route; kvgate serves /v1/chat/completions, /v1/completions and "
+                            .. "/v1/models.")
+end
+
+function _M.health()
+    local peers, version = failopen.peers()
+    return send_json(cjson.encode({ status = "ok", fail_open_peers = #peers, peers_version = version,
+                                    dropped_reports = reports.dropped(),
+                                    master_pid = process.get_master_pid() }))
+end
+
+return _M

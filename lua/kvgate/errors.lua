@@ -1,0 +1,56 @@
+-- Every error the gateway itself makes, as OpenAI-style JSON: built here and nowhere else, whether Lua
+-- answers it (bad input, unknown model, no backend) or Nginx does (413, 502, 503, 504 through
+-- error_page). A backend's own error bodies pass through untouched.
+
+local cjson = require "cjson.safe"
+local conf  = require "kvgate.conf"
+
+local ngx       = ngx
+local ngx_say   = ngx.say
+local ngx_exit  = ngx.exit
+
+local _M = {}
+
+local TYPES = {
+    [400] = "invalid_request_error",
+    [404] = "NotFoundError",
+    [413] = "invalid_request_error",
+    [500] = "InternalServerError",
+    [502] = "BadGatewayError",
+    [503] = "ServiceUnavailableError",
+    [504] = "GatewayTimeoutError",
+}
+
+-- What Nginx-made errors say (the status alone is all error_page passes on).
+local MESSAGES = {
+    [413] = function() return "The request body is larger than client_max_body_size (" .. conf.max_body .. ")." end,
+    [500] = function() return "The gateway failed to handle the request." end,
+    [502] = function() return "Every candidate backend failed before answering." end,
+    [503] = function() return "No healthy backend is available." end,
+    [504] = function() return "The backend did not answer in time." end,
+}
+
+function _M.body(status, message, typ, param)
+    return cjson.encode({ error = { message = message, type = typ or TYPES[status] or "Error",
+                                    param = param or cjson.null, code = status } })
+end
+
+-- Answers the request with the error and ends it.
+function _M.send(status, message, typ, param)
+    ngx.status = status
+    ngx.header["Content-Type"] = "application/json"
+    ngx.header["Content-Length"] = nil
+    ngx_say(_M.body(status, message, typ, param))
+    return ngx_exit(status)
+end
+
+-- content_by_lua of the error_page location: the status Nginx was about to send, as JSON.
+function _M.page()
+    local status = ngx.status
+    if not MESSAGES[status] then
+        status = 500
+    end
+    return _M.send(status, MESSAGES[status]())
+end
+
+return _M

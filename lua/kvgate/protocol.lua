@@ -1,0 +1,111 @@
+-- The wire protocol to the sidecar, Lua side: the one Lua home of its keys. Twin of
+-- sidecar/kvgate/protocol.py (which documents every message); tests/golden/protocol.json holds
+-- messages both must build and read alike. Every message carries the protocol version pv: a reply in
+-- another version is refused with a loud log line, and the request routes fail-open.
+
+local ngx      = ngx
+local ngx_log  = ngx.log
+local ngx_ERR  = ngx.ERR
+local ngx_now  = ngx.now
+local type     = type
+local tostring = tostring
+
+local VERSION = 1
+local MISMATCH_LOG_EVERY_S = 10   -- loud, but not once per request
+
+local _M = { VERSION = VERSION }
+
+local last_mismatch_log = 0
+
+-- Messages to the sidecar ------------------------------------------------------------------------
+
+-- f: the table features.extract returns. No hashes: no h (cjson would write an empty table as {}).
+function _M.decide(f)
+    local hashes = f.hashes
+    if #hashes == 0 then
+        hashes = nil
+    end
+    return { pv = VERSION, op = "decide",
+             f = { m = f.model, k = f.key, ks = f.key_source, h = hashes, b = f.prompt_bytes } }
+end
+
+function _M.report(outcomes)
+    return { pv = VERSION, op = "report", o = outcomes }
+end
+
+function _M.peers()
+    return { pv = VERSION, op = "peers" }
+end
+
+function _M.models()
+    return { pv = VERSION, op = "models" }
+end
+
+-- One outcome: the response's first byte came back (the backend finished this request's prefill).
+function _M.first_byte(decision_id, backend)
+    return { i = decision_id, b = backend, f = true }
+end
+
+-- One outcome: the request ended. ttft may be nil.
+function _M.outcome(decision_id, backend, status, ttft, sent)
+    return { i = decision_id, b = backend, s = status, t = ttft, x = sent }
+end
+
+-- Replies from the sidecar -----------------------------------------------------------------------
+
+-- The reply if it speaks our version, else nil and an error (logged at most every 10 s).
+function _M.check(reply)
+    if type(reply) ~= "table" then
+        return nil, "reply is not a JSON object"
+    end
+    if reply.pv ~= VERSION then
+        local err = "protocol version mismatch: this gateway speaks " .. VERSION
+                    .. ", the sidecar " .. tostring(reply.pv)
+        local now = ngx_now()
+        if now - last_mismatch_log >= MISMATCH_LOG_EVERY_S then
+            last_mismatch_log = now
+            ngx_log(ngx_ERR, "kvgate: ", err, "; routing fail-open until both come from the same release")
+        end
+        return nil, err
+    end
+    return reply
+end
+
+-- A decision: { id, ids = {backend ids}, addrs = {host:port}, route }, or nil, error message,
+-- error code (the sidecar's, e.g. "unknown_model"; nil for a malformed reply).
+function _M.decision(reply)
+    if reply.e then
+        return nil, tostring(reply.msg), reply.e
+    end
+    local c = reply.c
+    if type(c) ~= "table" then
+        return nil, "decision without candidates"
+    end
+    local ids, addrs = {}, {}
+    for i = 1, #c do
+        local pair = c[i]
+        if type(pair) ~= "table" or type(pair[1]) ~= "string" or type(pair[2]) ~= "string" then
+            return nil, "malformed candidate"
+        end
+        ids[i], addrs[i] = pair[1], pair[2]
+    end
+    return { id = reply.i, ids = ids, addrs = addrs, route = reply.r }
+end
+
+-- The fail-open peer list: version, { {id =, addr =}, ... }; or nil, error.
+function _M.peer_list(reply)
+    if type(reply.peers) ~= "table" or type(reply.v) ~= "number" then
+        return nil, "malformed peers reply"
+    end
+    return reply.v, reply.peers
+end
+
+-- The model cards of /v1/models, or nil, error.
+function _M.model_list(reply)
+    if type(reply.data) ~= "table" then
+        return nil, "malformed models reply"
+    end
+    return reply.data
+end
+
+return _M

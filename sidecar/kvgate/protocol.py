@@ -1,0 +1,284 @@
+"""The wire protocol between Nginx's Lua hook and the sidecar: the one Python home of its keys.
+
+One JSON object per line over a unix socket, both ways; ``lua/kvgate/protocol.lua`` is the Lua twin
+and ``tests/golden/protocol.json`` holds messages that both sides must encode and decode alike. Every
+message carries the protocol version ``pv``: a peer speaking another version gets an error line and
+both sides log it loudly, so a Lua and a sidecar from different releases never misread each other.
+
+Lua -> sidecar (decide, peers and models are answered with one line; report is not, so the log phase
+never waits)::
+
+    {"pv":1,"op":"decide","f":{"m":model,"k":key,"ks":key source,"h":[chunk hash,...],"b":prompt bytes}}
+    {"pv":1,"op":"report","o":[outcome,...]}
+    {"pv":1,"op":"peers"}
+    {"pv":1,"op":"models"}
+
+sidecar -> Lua::
+
+    {"pv":1,"i":decision id,"c":[[backend id,"host:port"],...],"r":route label}   a decision
+    {"pv":1,"e":error code,"msg":text}                                            an error
+    {"pv":1,"v":peers version,"peers":[{"id":backend id,"addr":"host:port"},...]}
+    {"pv":1,"data":[model card,...]}
+
+An outcome is ``{"i":id,"b":backend,"s":status,"t":ttft seconds,"x":bytes sent}``, or
+``{"i":id,"b":backend,"f":true}`` when the response's first byte came back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, NamedTuple
+
+from kvgate.features import Features
+
+VERSION = 1
+
+
+class ErrorCode(str, Enum):
+    BAD_REQUEST = "bad_request"
+    UNKNOWN_MODEL = "unknown_model"
+    PROTOCOL_VERSION = "protocol_version"
+
+
+class ProtocolError(ValueError):
+    """A line that is not a message of this protocol; answered with an error line unless its ``op``
+    expects no answer (a report: Lua would read the error as the answer to its next call)."""
+
+    def __init__(self, code: ErrorCode, message: str, op: object = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.op = op
+
+    @property
+    def answered(self) -> bool:
+        return self.op != "report"
+
+
+class Candidate(NamedTuple):
+    id: str
+    address: str  # host:port, what Nginx's balancer needs
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    decision_id: int
+    backend: str
+    status: int  # 0 when no response came back (connection failure)
+    ttft: float | None
+    sent: bool  # whether response bytes reached the client
+    first_byte: bool = False  # an early report: the response started, its prefill is done
+
+
+# -- messages Lua sends --------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Decide:
+    features: Features
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    outcomes: tuple[Outcome, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PeersQuery:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ModelsQuery:
+    pass
+
+
+Message = Decide | Report | PeersQuery | ModelsQuery
+
+
+# -- replies the sidecar sends -------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class DecisionReply:
+    decision_id: int
+    candidates: tuple[Candidate, ...]  # primary first; empty when no backend is eligible
+    route: str  # the display label Nginx puts in X-Kvgate-Route
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply:
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeersReply:
+    version: int
+    peers: tuple[Candidate, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelsReply:
+    cards: tuple[Mapping[str, Any], ...]
+
+
+Reply = DecisionReply | ErrorReply | PeersReply | ModelsReply
+
+
+# -- decoding ------------------------------------------------------------------------------------
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise ValueError(f"{name} must be a number")
+    if isinstance(value, float) and not -(2**63) <= value <= 2**63:
+        raise ValueError(f"{name} is out of range")
+    return int(value)
+
+
+def _text(value: Any, name: str) -> str | None:
+    """Client text, or None. JSON can carry a lone surrogate, which is no character: it must never
+    reach Redis, a hash or a C extension, so such text is refused here."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} is not valid UTF-8 text") from None
+    return value
+
+
+def decode_features(d: Any) -> Features:
+    if not isinstance(d, Mapping):
+        raise ValueError("f must be an object of features")
+    hashes = d.get("h") or ()
+    # cjson encodes an empty Lua table as {}: an empty mapping is an empty list here.
+    if isinstance(hashes, Mapping) and not hashes:
+        hashes = ()
+    if not isinstance(hashes, list | tuple) or not all(isinstance(h, str) for h in hashes):
+        raise ValueError("h must be a list of hash strings")
+    return Features(
+        model=_text(d.get("m"), "m"),
+        key=_text(d.get("k"), "k"),
+        key_source=str(_text(d.get("ks"), "ks") or "none"),
+        hashes=tuple(hashes),
+        prompt_bytes=max(0, _int(d.get("b") or 0, "b")),
+    )
+
+
+def decode_outcome(d: Any) -> Outcome:
+    if not isinstance(d, Mapping):
+        raise ValueError("an outcome must be an object")
+    decision_id = _int(d.get("i") or 0, "i")
+    backend = _text(d.get("b"), "b") or ""
+    if d.get("f"):
+        return Outcome(decision_id, backend, 0, None, False, first_byte=True)
+    ttft = d.get("t")
+    return Outcome(
+        decision_id,
+        backend,
+        _int(d.get("s") or 0, "s"),
+        float(ttft) if isinstance(ttft, int | float) and not isinstance(ttft, bool) else None,
+        bool(d.get("x")),
+    )
+
+
+def decode_message(line: bytes) -> Message:
+    """One line from Lua; raises ``ProtocolError`` for anything that is not a message of ours."""
+    try:
+        msg = json.loads(line)
+    except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "not a UTF-8 JSON line") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "a message is a JSON object")
+    op = msg.get("op")
+    if msg.get("pv") != VERSION:
+        raise ProtocolError(
+            ErrorCode.PROTOCOL_VERSION,
+            f"protocol version mismatch: the sidecar speaks {VERSION}, the message says {msg.get('pv')!r}",
+            op,
+        )
+    try:
+        if op == "decide":
+            return Decide(decode_features(msg.get("f")))
+        if op == "report":
+            items = msg.get("o")
+            if not isinstance(items, list):
+                raise ValueError("report needs o: [outcomes]")
+            return Report(tuple(decode_outcome(o) for o in items))
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"malformed {op}: {exc}", op) from None
+    if op == "peers":
+        return PeersQuery()
+    if op == "models":
+        return ModelsQuery()
+    raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}", op)
+
+
+# -- encoding ------------------------------------------------------------------------------------
+def encode_features(f: Features) -> dict[str, Any]:
+    # Absent rather than null or empty, as Lua's cjson writes them (it cannot tell [] from {}).
+    out: dict[str, Any] = {"ks": f.key_source, "b": f.prompt_bytes}
+    if f.model is not None:
+        out["m"] = f.model
+    if f.key is not None:
+        out["k"] = f.key
+    if f.hashes:
+        out["h"] = list(f.hashes)
+    return out
+
+
+def encode_outcome(o: Outcome) -> dict[str, Any]:
+    if o.first_byte:
+        return {"i": o.decision_id, "b": o.backend, "f": True}
+    out: dict[str, Any] = {"i": o.decision_id, "b": o.backend, "s": o.status, "x": o.sent}
+    if o.ttft is not None:
+        out["t"] = o.ttft
+    return out
+
+
+def encode_message(msg: Message) -> dict[str, Any]:
+    """What Lua sends, for tools and tests that speak to the sidecar as Nginx does."""
+    if isinstance(msg, Decide):
+        return {"pv": VERSION, "op": "decide", "f": encode_features(msg.features)}
+    if isinstance(msg, Report):
+        return {"pv": VERSION, "op": "report", "o": [encode_outcome(o) for o in msg.outcomes]}
+    if isinstance(msg, PeersQuery):
+        return {"pv": VERSION, "op": "peers"}
+    return {"pv": VERSION, "op": "models"}
+
+
+def encode_reply(reply: Reply) -> dict[str, Any]:
+    if isinstance(reply, DecisionReply):
+        return {
+            "pv": VERSION,
+            "i": reply.decision_id,
+            "c": [[c.id, c.address] for c in reply.candidates],
+            "r": reply.route,
+        }
+    if isinstance(reply, ErrorReply):
+        return {"pv": VERSION, "e": reply.code.value, "msg": reply.message}
+    if isinstance(reply, PeersReply):
+        return {
+            "pv": VERSION,
+            "v": reply.version,
+            "peers": [{"id": p.id, "addr": p.address} for p in reply.peers],
+        }
+    return {"pv": VERSION, "data": [dict(c) for c in reply.cards]}
+
+
+def decode_reply(d: Mapping[str, Any]) -> Reply:
+    """A sidecar reply, for tools and tests (Nginx decodes them in ``protocol.lua``)."""
+    if d.get("pv") != VERSION:
+        raise ProtocolError(ErrorCode.PROTOCOL_VERSION, f"reply speaks protocol {d.get('pv')!r}")
+    if "e" in d:
+        return ErrorReply(ErrorCode(d["e"]), str(d.get("msg", "")))
+    if "c" in d:
+        pairs: Sequence[Sequence[str]] = d["c"]
+        return DecisionReply(int(d["i"]), tuple(Candidate(a, b) for a, b in pairs), str(d["r"]))
+    if "peers" in d:
+        return PeersReply(int(d["v"]), tuple(Candidate(p["id"], p["addr"]) for p in d["peers"]))
+    return ModelsReply(tuple(d["data"]))
+
+
+def line(obj: Mapping[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"

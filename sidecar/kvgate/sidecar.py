@@ -1,0 +1,39 @@
+"""The sidecar's routing core, wired once: metrics, registry, sessions, prefix index, decision service.
+
+``build_sidecar`` is the one place these parts are put together. The aiohttp app
+(``kvgate.app.create_app``) adds I/O around it (the decision socket, HTTP API, scrapes, membership
+sync); the benchmark's virtual-time replay drives the very same core with no Redis and a virtual clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from kvgate.config import Config
+from kvgate.metrics import SidecarMetrics
+from kvgate.prefix_index import PrefixIndex
+from kvgate.registry import Registry
+from kvgate.service import DecisionService
+from kvgate.sessions import SessionStore
+
+
+@dataclass(frozen=True, slots=True)
+class Sidecar:
+    config: Config
+    metrics: SidecarMetrics
+    registry: Registry
+    sessions: SessionStore
+    index: PrefixIndex
+    service: DecisionService
+
+
+def build_sidecar(config: Config, redis: aioredis.Redis | None) -> Sidecar:
+    """The routing core over ``config``; ``redis`` None keeps sessions in process memory only."""
+    metrics = SidecarMetrics()
+    registry = Registry(config.scrape, config.routing, metrics)
+    sessions = SessionStore(config.redis, metrics, redis)
+    index = PrefixIndex(config.routing.prefix_index_blocks)
+    service = DecisionService(config, registry, sessions, index, metrics)
+    return Sidecar(config, metrics, registry, sessions, index, service)

@@ -1,0 +1,169 @@
+"""``kvgate up`` / ``kvgate down``: the whole stack as local processes under one supervisor.
+
+Without ``--config`` it is the demo: redis-server, simulated vLLM backends, the sidecar and Nginx, all
+on loopback with their state in the run directory. With ``--config`` it fronts the backends the config
+lists (no simulators); a Redis URL on this machine's loopback is started here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvgate.config import Config, ConfigError
+from kvgate.nginx_conf import NginxSettings
+from kvgate.tools.launcher import Supervisor, launch_replica
+
+DEMO_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def demo_config(
+    sim_port: int, instances: int, redis_port: int, run_dir: Path, token: str, sidecar_port: int
+) -> dict[str, Any]:
+    return {
+        "listen": {"socket": str(run_dir / "sidecar.sock"), "http_port": sidecar_port, "admin_token": token},
+        "redis": {"url": f"redis://127.0.0.1:{redis_port}/0"},
+        "backends": [
+            {"id": f"sim-{i + 1}", "url": f"http://127.0.0.1:{sim_port + i}"} for i in range(instances)
+        ],
+    }
+
+
+def _local_redis_port(url: str | None) -> int | None:
+    if url and (url.startswith("redis://127.0.0.1:") or url.startswith("redis://localhost:")):
+        return int(url.rsplit(":", 1)[1].split("/")[0])
+    return None
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    pid_file = run_dir / "kvgate-up.pid"
+    if pid_file.exists():
+        try:
+            os.kill(int(pid_file.read_text()), 0)
+            print(
+                f"kvgate: a stack already runs from {run_dir} (pid {pid_file.read_text().strip()}); "
+                "stop it with `kvgate down`",
+                file=sys.stderr,
+            )
+            return 1
+        except (ProcessLookupError, ValueError):
+            pid_file.unlink()
+    sup = Supervisor(run_dir)
+    token = os.environ.get("KVGATE_ADMIN_TOKEN") or secrets.token_urlsafe(16)
+    (run_dir / "admin-token").write_text(token + "\n")
+    try:
+        if args.config:
+            config_path = Path(args.config).resolve()
+        else:
+            demo = demo_config(
+                args.sim_port, args.backends, args.redis_port, run_dir, token, args.sidecar_port
+            )
+            config_path = sup.write_config(demo, "kvgate-sidecar")
+        config = Config.from_file(config_path)
+    except ConfigError as exc:
+        print(f"kvgate: invalid config: {exc}", file=sys.stderr)
+        return 2
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    pid_file.write_text(str(os.getpid()))
+    try:
+        redis_port = _local_redis_port(config.redis.url)
+        if redis_port is not None:
+            print(f"starting redis-server on 127.0.0.1:{redis_port}")
+            sup.start_redis(redis_port)
+        if not args.config:
+            last = args.sim_port + args.backends - 1
+            print(f"starting {args.backends} simulated vLLM backends on ports {args.sim_port}..{last}")
+            sup.start_sim(
+                args.sim_port,
+                args.backends,
+                "sim",
+                "--model",
+                DEMO_MODEL,
+                "--time-scale",
+                str(args.time_scale),
+            )
+        print("starting the kvgate sidecar and nginx")
+        settings = NginxSettings(
+            listen=f"127.0.0.1:{args.port}",
+            socket=config.listen.socket,
+            run_dir=str(run_dir),
+            session_header=config.routing.session_header,
+            max_tries=config.routing.max_candidates,
+        )
+        launch_replica(sup, "kvgate", config_path, settings, {"KVGATE_ADMIN_TOKEN": token}, wait_peers=False)
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        print(f"kvgate: failed to start the stack: {exc}; logs in {run_dir}", file=sys.stderr)
+        sup.stop_all()
+        pid_file.unlink(missing_ok=True)
+        return 1
+    base = f"http://127.0.0.1:{args.port}"
+    model = DEMO_MODEL if not args.config else "<your model>"
+    print(
+        f"""
+kvgate is up: gateway {base}  (sidecar API http://127.0.0.1:{config.listen.http_port}, logs in {run_dir})
+
+  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -H 'X-Session-ID: demo-1' \\
+       -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}' -i
+
+  python -c 'import openai; c = openai.OpenAI(base_url="{base}/v1", api_key="unused"); \\
+r = c.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hi"}}]); \\
+print(r.choices[0].message.content)'
+
+  curl -s http://127.0.0.1:{config.listen.http_port}/v1/backends     # state, load and weights per backend
+
+Ctrl-C (or `kvgate down`) stops everything this command started.""",
+        flush=True,
+    )
+    code = 0
+    try:
+        while not stopping:
+            dead = [n for n, alive in sup.alive().items() if not alive]
+            if dead:
+                print(
+                    f"kvgate: {', '.join(dead)} exited; stopping the stack (logs in {run_dir})",
+                    file=sys.stderr,
+                )
+                code = 1
+                break
+            time.sleep(0.5)
+    finally:
+        print("stopping kvgate")
+        sup.stop_all()
+        pid_file.unlink(missing_ok=True)
+    return code
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    pid_file = Path(args.run_dir).resolve() / "kvgate-up.pid"
+    if not pid_file.exists():
+        print("kvgate: no stack is running from this directory")
+        return 0
+    pid = int(pid_file.read_text())
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pid_file.unlink(missing_ok=True)
+        return 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if not pid_file.exists():
+            print("kvgate: stopped")
+            return 0
+        time.sleep(0.1)
+    print("kvgate: the stack did not stop within 20 s", file=sys.stderr)
+    return 1
