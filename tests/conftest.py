@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvgate.stack import Stack
+from kvgate.tools.launcher import Supervisor
 
 MODEL = "sim-model"
 
@@ -51,8 +51,9 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0, every: float = 0
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    s = Stack(tmp_path / "run")
+def stack(tmp_path: Path) -> Iterator[Supervisor]:
+    """A supervisor of this test's processes, in its own temp dir; everything stops at the end."""
+    s = Supervisor(tmp_path / "run")
     try:
         yield s
     finally:

@@ -1,14 +1,15 @@
-"""Test helpers that talk to a running sidecar the way Nginx does."""
+"""Test helpers: gateway replicas and sidecars started by the project's one launcher."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from kvgate.decision_client import DecisionClient
-from kvgate.stack import Stack, free_port, free_ports
+from kvgate.nginx_conf import NginxSettings
+from kvgate.tools.decision_client import DecisionClient
+from kvgate.tools.launcher import Replica, Supervisor, free_port, free_ports, launch_replica
 
-from tests.conftest import MODEL, http_json, wait_until
+from tests.conftest import MODEL, http_json
 
 
 def sidecar_config(
@@ -34,23 +35,18 @@ def sidecar_config(
 
 
 class Sidecar:
-    """One sidecar process of a test stack, with its socket path and HTTP base URL."""
+    """A test stack's sidecar: its socket, HTTP API and admin calls."""
 
-    def __init__(
-        self, stack: Stack, name: str, redis_port: int | None, sim_port: int, n: int, **routing: Any
-    ) -> None:
-        self.stack = stack
-        self.name = name
-        self.socket = stack.run_dir / f"{name}.sock"
-        self.http_port = free_port()
-        self.http = f"http://127.0.0.1:{self.http_port}"
-        cfg = sidecar_config(self.socket, self.http_port, redis_port, sim_port, n, **routing)
-        self.config_path = stack.write_sidecar_config(cfg, name)
-        self.start()
+    def __init__(self, replica: Replica) -> None:
+        self.replica = replica
+        self.stack = replica.sup
+        self.socket = replica.socket
+        self.name = replica.sidecar_name
+        self.http = replica.http
+        self.config_path = replica.config_path
 
     def start(self) -> None:
-        self.stack.start_sidecar(self.config_path, self.socket, self.name)
-        wait_until(lambda: http_json("GET", self.http + "/healthz")[0] == 200, timeout=10)
+        self.replica.start_sidecar()
 
     def client(self) -> DecisionClient:
         return DecisionClient(self.socket)
@@ -62,7 +58,15 @@ class Sidecar:
         return http_json(method, self.http + path, body, {"Authorization": "Bearer test-token"})
 
 
-def start_backends(stack: Stack, n: int, *extra: str) -> int:
+def start_sidecar(
+    stack: Supervisor, name: str, redis_port: int | None, sim_port: int, n: int, **routing: Any
+) -> Sidecar:
+    """A sidecar alone (no Nginx) over ``n`` simulated backends from ``sim_port``."""
+    cfg = sidecar_config(stack.run_dir / f"{name}.sock", free_port(), redis_port, sim_port, n, **routing)
+    return Sidecar(launch_replica(stack, name, cfg))
+
+
+def start_backends(stack: Supervisor, n: int, *extra: str) -> int:
     port = free_ports(n)
     stack.start_sim(port, n, "sim", "--model", MODEL, *extra)
     return port
@@ -82,7 +86,7 @@ class Gateway:
 
     def __init__(
         self,
-        stack: Stack,
+        stack: Supervisor,
         name: str,
         redis_port: int | None,
         sim_port: int,
@@ -92,18 +96,16 @@ class Gateway:
         read_timeout: str = "600s",
         **routing: Any,
     ) -> None:
-        from kvgate.nginx_conf import NginxSettings
-
         self.stack = stack
         self.name = name
-        self.sidecar = Sidecar(stack, f"{name}-sidecar", redis_port, sim_port, n, **routing)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         run_dir = stack.run_dir / name
         run_dir.mkdir(parents=True, exist_ok=True)
+        socket = stack.run_dir / f"{name}.sock"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         self.settings = NginxSettings(
             listen=f"127.0.0.1:{self.port}",
-            socket=str(self.sidecar.socket),
+            socket=str(socket),
             run_dir=str(run_dir),
             workers=2,
             client_max_body_size=client_max_body_size,
@@ -112,12 +114,10 @@ class Gateway:
             read_timeout=read_timeout,
             retry_deadline="3s",
         )
+        cfg = sidecar_config(socket, free_port(), redis_port, sim_port, n, **routing)
+        self.replica = launch_replica(stack, name, cfg, self.settings)
+        self.sidecar = Sidecar(self.replica)
         self.error_log = run_dir / "nginx-error.log"
-        self.start_nginx()
 
     def start_nginx(self) -> None:
-        self.stack.start_nginx(self.settings, self.port, f"{self.name}-nginx")
-        # Ready when the fail-open peer list has arrived from the sidecar.
-        wait_until(
-            lambda: http_json("GET", self.url + "/kvgate/health")[1]["fail_open_peers"] > 0, timeout=10
-        )
+        self.replica.start_nginx()

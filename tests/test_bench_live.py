@@ -6,19 +6,21 @@ import json
 from pathlib import Path
 
 import pytest
-from kvgate.cli import main
-from kvgate.stack import Stack, free_ports
+from kvgate.tools.launcher import Supervisor, free_ports
+
+from kvgate_bench.cli import main
 
 pytestmark = pytest.mark.e2e
 
 
-def test_live_against_one_backend_reports_ttft_and_backend_hit_rate(stack: Stack, tmp_path: Path) -> None:
+def test_live_against_one_backend_reports_ttft_and_backend_hit_rate(
+    stack: Supervisor, tmp_path: Path
+) -> None:
     port = free_ports(1)
     stack.start_sim(port, 1, "sim", "--model", "sim-model", "--time-scale", "2")
     url = f"http://127.0.0.1:{port}"
     code = main(
         [
-            "bench",
             "live",
             "--workload",
             "chat",
@@ -48,7 +50,6 @@ def test_live_against_one_backend_reports_ttft_and_backend_hit_rate(stack: Stack
 def test_compare_runs_each_kvgate_policy_on_fresh_backends(tmp_path: Path) -> None:
     code = main(
         [
-            "bench",
             "compare",
             "--workload",
             "chat-sessions",

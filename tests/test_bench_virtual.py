@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from kvgate.policies import PolicyName
+from kvgate.config import PolicyName
 
 from kvgate_bench import workloads
 from kvgate_bench.virtual import features_for, pooled_cache_ideal, replay, zero_queue_ttft
@@ -74,11 +74,10 @@ def test_pooled_ideal_matches_the_trace_readme_yardstick() -> None:
 
 
 def test_bench_virtual_command_writes_markdown_json_and_plots(tmp_path: Path) -> None:
-    from kvgate.cli import main
+    from kvgate_bench.cli import main
 
     code = main(
         [
-            "bench",
             "virtual",
             "--workload",
             "chat-sessions",
@@ -101,7 +100,7 @@ def test_bench_virtual_command_writes_markdown_json_and_plots(tmp_path: Path) ->
     data = json.loads((out / "report.json").read_text())
     assert [r["target"] for r in data["rows"]] == ["round_robin", "kvgate", "round_robin", "kvgate"]
     assert all(r["requests"] == 60 and r["errors"] == 0 for r in data["rows"])
-    assert data["header"]["command"].startswith("kvgate bench virtual")
+    assert data["header"]["command"].startswith("kvgate-bench virtual")
     text = (out / "report.md").read_text()
     assert "| kvgate |" in text and "pooled ideal" in text
     for png in ("ttft_cdf.png", "ttft_vs_rate.png"):

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from kvgate.stack import free_port, free_ports
+from kvgate.tools.launcher import free_port, free_ports
 
 from tests.conftest import http_json, wait_until
 
@@ -63,8 +62,7 @@ def test_up_serves_the_demo_and_down_stops_everything(tmp_path: Path) -> None:
             [KVGATE, "down", "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=40
         )
         assert down.returncode == 0 and "stopped" in down.stdout
-        up.wait(timeout=20)
-        time.sleep(0.5)
+        up.wait(timeout=20)  # its children are stopped (and waited for) before it exits
         for p in (port, sim, redis, sidecar):
             with pytest.raises(OSError):
                 http_json("GET", f"http://127.0.0.1:{p}/", timeout=1)

@@ -1,7 +1,7 @@
 import json
 from pathlib import Path
 
-from kvgate.features import CHUNK_BYTES, Features, extract
+from kvgate.features import CHUNK_BYTES, extract
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "features.json").read_text())
 
@@ -9,7 +9,13 @@ GOLDEN = json.loads((Path(__file__).parent / "golden" / "features.json").read_te
 def test_python_features_match_the_golden_file() -> None:
     for case in GOLDEN:
         f = extract(case["body"], case.get("headers"))
-        got = {"k": f.key, "ks": f.key_source, "h": list(f.hashes), "b": f.prompt_bytes, "m": f.model}
+        got = {
+            "model": f.model,
+            "key": f.key,
+            "key_source": f.key_source,
+            "hashes": list(f.hashes),
+            "prompt_bytes": f.prompt_bytes,
+        }
         assert got == case["expected"], case["name"]
 
 
@@ -44,9 +50,3 @@ def test_key_precedence_header_then_user_then_prefix() -> None:
 def test_only_full_chunks_are_hashed() -> None:
     f = extract({"prompt": "a" * (CHUNK_BYTES * 3 - 1)})
     assert len(f.hashes) == 2 and f.est_tokens == (CHUNK_BYTES * 3 - 1) // 4
-
-
-def test_from_wire_reads_the_lua_encoding() -> None:
-    f = Features.from_wire({"m": "x", "k": "p:1", "ks": "prefix", "h": ["a", "b"], "b": 100, "mt": 5})
-    assert (f.model, f.key, f.hashes, f.prompt_bytes, f.max_tokens) == ("x", "p:1", ("a", "b"), 100, 5)
-    assert Features.from_wire({}).key is None

@@ -2,9 +2,10 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvgate.config import LoadLimits, PolicyName
 from kvgate.features import Features
 from kvgate.load import LoadView
-from kvgate.policies import NodeView, PolicyName, Request, Snapshot, decide
+from kvgate.policies import NodeView, Reason, RebindCause, Request, SessionAction, Snapshot, decide
 from kvgate.ring import Ring
 
 
@@ -14,7 +15,7 @@ def load(requests: float = 0.0, waiting: float = 0.0, kv: float = 0.1, known: bo
 
 def snap(loads: dict[str, LoadView], c: float = 1.25) -> Snapshot:
     nodes = {n: NodeView(n, 1.0, v) for n, v in loads.items()}
-    return Snapshot(nodes, Ring({n: 1.0 for n in loads}), c, 8, 0.95)
+    return Snapshot(nodes, Ring({n: 1.0 for n in loads}), LoadLimits(c, 8, 0.95))
 
 
 def feat(key: str | None = None, hashes: tuple[str, ...] = ()) -> Features:
@@ -47,15 +48,17 @@ def test_consistent_hash_is_stable_for_a_key() -> None:
 def test_kvgate_keeps_a_bound_session_until_saturated() -> None:
     s = snap({"a": load(6), "b": load(0), "c": load(0)})
     d = decide(PolicyName.KVGATE, Request(feat("k"), 1, bound="a"), s, 3)
-    assert d.candidates[0] == "a" and d.reason == "session" and d.bind is None
+    assert d.candidates[0] == "a" and d.reason is Reason.SESSION and d.session is SessionAction.KEEP
     saturated = snap({"a": load(6, waiting=9), "b": load(0), "c": load(0)})
     d = decide(PolicyName.KVGATE, Request(feat("k"), 1, bound="a"), saturated, 3)
-    assert d.candidates[0] != "a" and d.bind == "rebind" and d.reason.endswith("/rebind-saturated")
+    assert d.candidates[0] != "a" and d.session is SessionAction.REBIND
+    assert d.rebind_cause is RebindCause.SATURATED and d.label.endswith("/rebind-saturated")
 
 
 def test_kvgate_rebinds_when_the_bound_node_is_gone() -> None:
     d = decide(PolicyName.KVGATE, Request(feat("k"), 1, bound="zz"), snap(IDLE), 3)
-    assert d.bind == "rebind" and d.reason.endswith("/rebind-gone")
+    assert d.session is SessionAction.REBIND and d.rebind_cause is RebindCause.GONE
+    assert d.label.endswith("/rebind-gone")
 
 
 def test_kvgate_follows_the_deepest_prefix_unless_everyone_has_it() -> None:
@@ -63,15 +66,15 @@ def test_kvgate_follows_the_deepest_prefix_unless_everyone_has_it() -> None:
     d = decide(
         PolicyName.KVGATE, Request(feat(None, ("h1", "h2", "h3")), 1, prefix_depth={"b2": 3, "b0": 1}), s, 3
     )
-    assert d.candidates[0] == "b2" and d.reason == "prefix"
+    assert d.candidates[0] == "b2" and d.reason is Reason.PREFIX
     everyone = {n: 1 for n in IDLE}
     d = decide(PolicyName.KVGATE, Request(feat(None, ("h1",)), 1, prefix_depth=everyone), s, 3)
-    assert d.reason.startswith("ring")
+    assert d.reason is Reason.RING
     # A widely shared prefix is credited as saved work (idle nodes: its holder wins) but is never
     # reported as a prefix decision; the load bound, not the credit, stops it from drawing everything.
     shared_only = Request(feat(None, ("s1", "s2", "c")), 1, prefix_depth={"b1": 2}, shared_depth=2)
     d = decide(PolicyName.KVGATE, shared_only, s, 3)
-    assert d.candidates[0] == "b1" and not d.reason.startswith("prefix")
+    assert d.candidates[0] == "b1" and d.reason is not Reason.PREFIX
     busy = snap({"b0": load(), "b1": load(5), "b2": load(), "b3": load()})
     assert decide(PolicyName.KVGATE, shared_only, busy, 3).candidates[0] != "b1"
 
@@ -84,7 +87,7 @@ def test_kvgate_skips_a_prefix_holder_over_its_load_bound() -> None:
 
 def test_no_backend_gives_an_empty_decision() -> None:
     d = decide(PolicyName.KVGATE, Request(feat("k"), 1), snap({}), 3)
-    assert d.candidates == () and d.reason == "no_backend"
+    assert d.candidates == () and d.reason is Reason.NO_BACKEND
 
 
 @settings(max_examples=30, deadline=None)
@@ -101,7 +104,7 @@ def test_bounded_walk_never_puts_a_node_above_the_bound(n: int, requests: int, c
     ring = Ring({f"n{i}": 1.0 for i in range(n)})
     for i in range(requests):
         nodes = {k: NodeView(k, 1.0, load(float(v))) for k, v in counts.items()}
-        s = Snapshot(nodes, ring, c, 10**9, 1.0)
+        s = Snapshot(nodes, ring, LoadLimits(c, 10**9, 1.0))
         d = decide(PolicyName.KVGATE, Request(feat(f"key-{i % 7}"), i), s, 3)  # few hot keys
         total = sum(counts.values())
         bound = math.ceil(c * (total + 1) / n)

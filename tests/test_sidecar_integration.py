@@ -9,56 +9,57 @@ from collections import Counter
 import pytest
 import redis
 from kvgate.features import extract
-from kvgate.stack import Stack, free_port
+from kvgate.protocol import ErrorCode, ErrorReply, PeersQuery, PeersReply
+from kvgate.tools.launcher import Supervisor, free_port
 
 from tests.conftest import http_json, wait_until
-from tests.helpers import Sidecar, chat, start_backends
+from tests.helpers import chat, start_backends, start_sidecar
 
 
 @pytest.fixture
-def redis_port(stack: Stack) -> int:
+def redis_port(stack: Supervisor) -> int:
     port = free_port()
     stack.start_redis(port)
     return port
 
 
-def test_two_sidecars_on_one_redis_agree_on_every_binding(stack: Stack, redis_port: int) -> None:
+def test_two_sidecars_on_one_redis_agree_on_every_binding(stack: Supervisor, redis_port: int) -> None:
     sim = start_backends(stack, 3)
-    a, b = Sidecar(stack, "a", redis_port, sim, 3), Sidecar(stack, "b", redis_port, sim, 3)
+    a, b = start_sidecar(stack, "a", redis_port, sim, 3), start_sidecar(stack, "b", redis_port, sim, 3)
     ca, cb = a.client(), b.client()
     for i in range(60):
         body = {"model": "sim-model", "messages": [{"role": "user", "content": f"hello {i}"}]}
         first = (ca if i % 2 else cb).decide_body(body, {"X-Session-ID": f"s{i}"})
         second = (cb if i % 2 else ca).decide_body(body, {"X-Session-ID": f"s{i}"})
-        assert first["c"][0] == second["c"][0], i
-        assert second["r"] == "session"
+        assert first.candidates[0] == second.candidates[0], i
+        assert second.route == "session"
     ca.close()
     cb.close()
 
 
-def test_sessions_survive_a_sidecar_restart(stack: Stack, redis_port: int) -> None:
+def test_sessions_survive_a_sidecar_restart(stack: Supervisor, redis_port: int) -> None:
     sim = start_backends(stack, 3)
-    sc = Sidecar(stack, "a", redis_port, sim, 3)
+    sc = start_sidecar(stack, "a", redis_port, sim, 3)
     c = sc.client()
-    bound = {i: c.decide_body(chat(i, 1))["c"][0] for i in range(30)}
+    bound = {i: c.decide_body(chat(i, 1)).candidates[0].id for i in range(30)}
     c.close()
-    stack.stop("a")
+    stack.stop(sc.name)
     sc.start()
     c = sc.client()
     after = {i: c.decide_body(chat(i, 2)) for i in range(30)}
-    assert all(after[i]["c"][0] == bound[i] and after[i]["r"] == "session" for i in range(30))
+    assert all(after[i].candidates[0].id == bound[i] and after[i].route == "session" for i in range(30))
     c.close()
 
 
-def test_redis_down_routes_from_memory_and_recovers(stack: Stack, redis_port: int) -> None:
+def test_redis_down_routes_from_memory_and_recovers(stack: Supervisor, redis_port: int) -> None:
     sim = start_backends(stack, 3)
-    sc = Sidecar(stack, "a", redis_port, sim, 3)
+    sc = start_sidecar(stack, "a", redis_port, sim, 3)
     c = sc.client()
     before = c.decide_body(chat(1, 1))
     stack.stop("redis")
     during = [c.decide_body(chat(1, 2)), c.decide_body(chat(2, 1)), c.decide_body(chat(2, 2))]
-    assert during[0]["c"][0] == before["c"][0], "the local map keeps the session"
-    assert during[2]["c"][0] == during[1]["c"][0]
+    assert during[0].candidates[0] == before.candidates[0], "the local map keeps the session"
+    assert during[2].candidates[0] == during[1].candidates[0]
     _, health = http_json("GET", sc.http + "/healthz")
     assert health["redis"] == "down"
     metrics = http_json("GET", sc.http + "/metrics")[1]
@@ -69,34 +70,35 @@ def test_redis_down_routes_from_memory_and_recovers(stack: Stack, redis_port: in
     # The next decisions after the retry interval reach Redis again and write back the binding made
     # while it was down.
     wait_until(lambda: bool(c.decide_body(chat(5, 1))) and r.get(f"kvgate:s:{key}") is not None, timeout=5)
-    assert r.get(f"kvgate:s:{key}").decode() == during[1]["c"][0]
+    assert r.get(f"kvgate:s:{key}").decode() == during[1].candidates[0].id
     fresh = extract(chat(6, 1)).key
     d = c.decide_body(chat(6, 1))
-    assert r.get(f"kvgate:s:{fresh}").decode() == d["c"][0]
+    assert r.get(f"kvgate:s:{fresh}").decode() == d.candidates[0].id
     r.close()
     c.close()
 
 
-def test_unhealthy_backend_is_skipped_and_readmitted(stack: Stack, redis_port: int) -> None:
+def test_unhealthy_backend_is_skipped_and_readmitted(stack: Supervisor, redis_port: int) -> None:
     sim = start_backends(stack, 3)
-    sc = Sidecar(stack, "a", redis_port, sim, 3)
+    sc = start_sidecar(stack, "a", redis_port, sim, 3)
     victim = f"http://127.0.0.1:{sim + 1}"
     http_json("POST", victim + "/sim/faults", {"unhealthy": True})
     wait_until(lambda: sc.backends()["sim-1"]["state"] == "unhealthy", timeout=5)
     c = sc.client()
-    picks = {c.decide_body(chat(i, 1))["c"][0] for i in range(40)}
+    picks = {c.decide_body(chat(i, 1)).candidates[0].id for i in range(40)}
     assert "sim-1" not in picks
-    peers = c.call({"op": "peers"})
-    assert {p["id"] for p in peers["peers"]} == {"sim-0", "sim-2"}
+    peers = c.call(PeersQuery())
+    assert isinstance(peers, PeersReply) and {p.id for p in peers.peers} == {"sim-0", "sim-2"}
     http_json("DELETE", victim + "/sim/faults")
     wait_until(lambda: sc.backends()["sim-1"]["state"] == "healthy", timeout=5)
-    assert c.call({"op": "peers"})["v"] > peers["v"]
+    again = c.call(PeersQuery())
+    assert isinstance(again, PeersReply) and again.version > peers.version
     c.close()
 
 
-def test_garbage_metrics_make_a_backend_unhealthy(stack: Stack) -> None:
+def test_garbage_metrics_make_a_backend_unhealthy(stack: Supervisor) -> None:
     sim = start_backends(stack, 2)
-    sc = Sidecar(stack, "a", None, sim, 2)
+    sc = start_sidecar(stack, "a", None, sim, 2)
     http_json("POST", f"http://127.0.0.1:{sim}/sim/faults", {"metrics": "garbage"})
     wait_until(lambda: sc.backends()["sim-0"]["state"] == "unhealthy", timeout=5)
     assert (
@@ -105,47 +107,47 @@ def test_garbage_metrics_make_a_backend_unhealthy(stack: Stack) -> None:
     )
 
 
-def test_membership_changes_reach_every_sidecar(stack: Stack, redis_port: int) -> None:
+def test_membership_changes_reach_every_sidecar(stack: Supervisor, redis_port: int) -> None:
     sim = start_backends(stack, 3)
-    a = Sidecar(stack, "a", redis_port, sim, 2)  # knows sim-0, sim-1
-    b = Sidecar(stack, "b", redis_port, sim, 2)
+    a = start_sidecar(stack, "a", redis_port, sim, 2)  # knows sim-0, sim-1
+    b = start_sidecar(stack, "b", redis_port, sim, 2)
     assert a.admin("POST", "/admin/backends", {"id": "sim-2", "url": f"http://127.0.0.1:{sim + 2}"})[0] == 201
     wait_until(lambda: "sim-2" in b.backends(), timeout=3)
     assert a.admin("POST", "/admin/backends/sim-0/drain")[0] == 200
     wait_until(lambda: b.backends()["sim-0"]["state"] == "draining", timeout=3)
     cb = b.client()
-    assert "sim-0" not in {cb.decide_body(chat(i, 1))["c"][0] for i in range(30)}
+    assert "sim-0" not in {cb.decide_body(chat(i, 1)).candidates[0].id for i in range(30)}
     assert a.admin("DELETE", "/admin/backends/sim-0")[0] == 200
     wait_until(lambda: "sim-0" not in b.backends(), timeout=3)
     assert http_json("POST", a.http + "/admin/backends", {"url": "http://x:1"})[0] == 401
     cb.close()
 
 
-def test_unknown_model_is_refused(stack: Stack) -> None:
+def test_unknown_model_is_refused(stack: Supervisor) -> None:
     sim = start_backends(stack, 1)
-    sc = Sidecar(stack, "a", None, sim, 1)
+    sc = start_sidecar(stack, "a", None, sim, 1)
     c = sc.client()
-    reply = c.decide_body({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]})
-    assert reply["e"] == "unknown_model"
+    reply = c.decide(extract({"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}))
+    assert isinstance(reply, ErrorReply) and reply.code is ErrorCode.UNKNOWN_MODEL
     assert http_json("GET", sc.http + "/v1/models")[1]["data"][0]["id"] == "sim-model"
     c.close()
 
 
 def test_shared_system_prompt_200_conversations_spread_within_bound_and_stick(
-    stack: Stack, redis_port: int
+    stack: Supervisor, redis_port: int
 ) -> None:
     sim = start_backends(stack, 4)
-    sc = Sidecar(stack, "a", redis_port, sim, 4)
+    sc = start_sidecar(stack, "a", redis_port, sim, 4)
     c = sc.client()
     # Turn 1 of every conversation is in flight at once: the bounded walk spreads the new keys.
     first = {conv: c.decide_body(chat(conv, 1)) for conv in range(200)}
-    home = {conv: d["c"][0] for conv, d in first.items()}
+    home = {conv: d.candidates[0].id for conv, d in first.items()}
     for d in first.values():
         c.finish(d)
     for turn in (2, 3):
         for conv in range(200):
             d = c.decide_body(chat(conv, turn))
-            assert d["c"][0] == home[conv] and d["r"] == "session", (conv, turn, d["r"])
+            assert d.candidates[0].id == home[conv] and d.route == "session", (conv, turn, d.route)
             c.finish(d)
     counts = Counter(home.values())
     assert len(counts) == 4
@@ -153,17 +155,17 @@ def test_shared_system_prompt_200_conversations_spread_within_bound_and_stick(
     c.close()
 
 
-def test_sighup_and_admin_reload_apply_the_config_file(stack: Stack, redis_port: int) -> None:
+def test_sighup_and_admin_reload_apply_the_config_file(stack: Supervisor, redis_port: int) -> None:
     import signal
 
     import yaml
 
     sim = start_backends(stack, 3)
-    sc = Sidecar(stack, "a", redis_port, sim, 2)
+    sc = start_sidecar(stack, "a", redis_port, sim, 2)
     cfg = yaml.safe_load(sc.config_path.read_text())
     cfg["backends"].append({"id": "sim-2", "url": f"http://127.0.0.1:{sim + 2}"})
     sc.config_path.write_text(yaml.safe_dump(cfg))
-    stack.procs["a"].send_signal(signal.SIGHUP)
+    stack.procs[sc.name].send_signal(signal.SIGHUP)
     wait_until(lambda: "sim-2" in sc.backends(), timeout=3)
     cfg["backends"] = cfg["backends"][1:]
     sc.config_path.write_text(yaml.safe_dump(cfg))
@@ -175,19 +177,21 @@ def test_sighup_and_admin_reload_apply_the_config_file(stack: Stack, redis_port:
     assert set(sc.backends()) == {"sim-1", "sim-2"}
 
 
-def test_hostile_bytes_on_the_socket_get_an_error_and_the_sidecar_lives(stack: Stack) -> None:
+def test_hostile_bytes_on_the_socket_get_an_error_and_the_sidecar_lives(stack: Supervisor) -> None:
     """Lone surrogates (raw or escaped), bytes that are not UTF-8 and non-finite numbers are refused
     one line at a time; the connection and the process stay up."""
     import socket
 
     sim = start_backends(stack, 2)
-    sc = Sidecar(stack, "a", None, sim, 2)
+    sc = start_sidecar(stack, "a", None, sim, 2)
     lines = [
-        b'{"op":"decide","f":{"m":"sim-model","k":"h:\xed\xa0\x80","ks":"header","h":[],"b":1}}',
-        b'{"op":"decide","f":{"m":"sim-model","k":"h:\\ud800","ks":"header","h":[],"b":1}}',
-        b'{"op":"decide","f":{"m":"sim-\xff","k":"h:x","ks":"header","h":[],"b":1}}',
-        b'{"op":"decide","f":{"m":"sim-model","k":"u:\\udc00x","ks":"user","h":[],"b":Infinity}}',
-        b'{"op":"report","o":[{"i":Infinity,"b":"sim-0","s":200}]}',
+        b'{"pv":1,"op":"decide","f":{"m":"sim-model","k":"h:\xed\xa0\x80","ks":"header","h":[],"b":1}}',
+        b'{"pv":1,"op":"decide","f":{"m":"sim-model","k":"h:\\ud800","ks":"header","h":[],"b":1}}',
+        b'{"pv":1,"op":"decide","f":{"m":"sim-\xff","k":"h:x","ks":"header","h":[],"b":1}}',
+        b'{"pv":1,"op":"decide","f":{"m":"sim-model","k":"u:x","ks":"user","h":[],"b":Infinity}}',
+        b'{"pv":1,"op":"report","o":[{"i":Infinity,"b":"sim-0","s":200}]}',
+        b'{"pv":1,"op":"decide","f":{"m":"sim-model","h":[{"x":1}],"b":1}}',
+        b'{"op":"decide","f":{"m":"sim-model","b":1}}',
     ]
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(5)
@@ -199,11 +203,11 @@ def test_hostile_bytes_on_the_socket_get_an_error_and_the_sidecar_lives(stack: S
             if b'"report"' in line:
                 continue
             reply = json.loads(f.readline())
-            assert reply["e"] == "bad_request", (line, reply)
-        f.write(b'{"op":"peers"}\n')
+            assert reply["e"] in ("bad_request", "protocol_version"), (line, reply)
+        f.write(b'{"pv":1,"op":"peers"}\n')
         f.flush()
         assert len(json.loads(f.readline())["peers"]) == 2
     c = sc.client()
-    assert c.decide_body(chat(1, 1))["c"]
+    assert c.decide_body(chat(1, 1)).candidates
     c.close()
-    assert stack.alive()["a"]
+    assert stack.alive()[sc.name]

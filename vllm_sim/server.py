@@ -7,6 +7,7 @@ import json
 import logging
 import random
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,9 @@ class Instance:
         self.runner: web.AppRunner | None = None
         self._reopen: asyncio.Task[None] | None = None
         self._refusing = False
+        # Connections that carried requests, to check a client's keep-alive reuse (GET /sim/info).
+        self._seen: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
+        self.connections = 0
 
     def _lag(self) -> tuple[float, float, float]:
         if self.loop is None:
@@ -76,6 +80,7 @@ class Instance:
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        r.add_get("/sim/info", self.info)
         r.add_get("/sim/faults", self.get_faults)
         r.add_post("/sim/faults", self.set_faults)
         r.add_delete("/sim/faults", self.clear_faults)
@@ -112,6 +117,9 @@ class Instance:
             # A dead server also drops the keep-alive connections it already had.
             request.transport.abort()
             return web.Response(status=503)
+        if request.transport is not None and request.transport not in self._seen:
+            self._seen.add(request.transport)
+            self.connections += 1
         # vLLM never answers with a stack trace: unexpected failures become a 500 envelope.
         try:
             return await handler(request)
@@ -344,6 +352,10 @@ class Instance:
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         ok = self.engine.pool.reset_prefix_cache()
         return web.Response(status=200 if ok else 400)
+
+    async def info(self, request: web.Request) -> web.Response:
+        """Simulator-only facts for tests: the TCP connections clients opened so far."""
+        return _json({"connections": self.connections})
 
     # -- fault injection ----------------------------------------------------------------------------
     async def get_faults(self, request: web.Request) -> web.Response:

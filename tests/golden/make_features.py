@@ -81,11 +81,11 @@ def main() -> None:
             {
                 **case,
                 "expected": {
-                    "k": f.key,
-                    "ks": f.key_source,
-                    "h": list(f.hashes),
-                    "b": f.prompt_bytes,
-                    "m": f.model,
+                    "model": f.model,
+                    "key": f.key,
+                    "key_source": f.key_source,
+                    "hashes": list(f.hashes),
+                    "prompt_bytes": f.prompt_bytes,
                 },
             }
         )

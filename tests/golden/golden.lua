@@ -1,0 +1,95 @@
+-- Runs the Lua twins over the golden files, in a real Nginx (tests/test_lua_phases.py):
+-- GET /test/golden?file=features -> what features.extract computes for each case;
+-- GET /test/golden?file=protocol -> what protocol.lua builds and reads for each case.
+-- Python compares the answers with the golden expectations.
+
+local cjson    = require "cjson.safe"
+local features = require "kvgate.features"
+local protocol = require "kvgate.protocol"
+
+local null = cjson.null
+
+local function load(name)
+    local f = assert(io.open(ngx.var.golden_dir .. "/" .. name .. ".json", "rb"))
+    local data = assert(cjson.decode(f:read("*a")))
+    f:close()
+    return data
+end
+
+local function nn(v)   -- JSON null -> nil
+    if v == null then
+        return nil
+    end
+    return v
+end
+
+local function run_features()
+    local out = {}
+    for i, case in ipairs(load("features")) do
+        local headers = case.headers ~= null and case.headers or {}
+        local f = features.extract(case.body, headers["X-Session-ID"])
+        out[i] = { model = f.model or null, key = f.key or null, key_source = f.key_source,
+                   hashes = f.hashes, prompt_bytes = f.prompt_bytes, n = #f.hashes }
+    end
+    return out
+end
+
+local function run_protocol()
+    local g = load("protocol")
+    local out = { version = protocol.VERSION, decide = {}, report = {}, replies = {} }
+    for i, case in ipairs(g.decide) do
+        local f = case.features
+        out.decide[i] = protocol.decide({ model = nn(f.model), key = nn(f.key), key_source = f.key_source,
+                                          hashes = f.hashes, prompt_bytes = f.prompt_bytes })
+    end
+    for i, case in ipairs(g.report) do
+        local items = {}
+        for j, o in ipairs(case.outcomes) do
+            if o.first_byte then
+                items[j] = protocol.first_byte(o.decision_id, o.backend)
+            else
+                items[j] = protocol.outcome(o.decision_id, o.backend, o.status, nn(o.ttft), o.sent)
+            end
+        end
+        out.report[i] = protocol.report(items)
+    end
+    out.peers = protocol.peers()
+    out.models = protocol.models()
+    for i, case in ipairs(g.replies) do
+        local reply, err = protocol.check(case.wire)
+        local meaning
+        if not reply then
+            meaning = { kind = "refused", error = err }
+        elseif case.wire.e then
+            local d, msg, code = protocol.decision(reply)
+            meaning = { kind = "error", code = code, message = msg, decision = d ~= nil }
+        elseif case.wire.c then
+            local d = protocol.decision(reply)
+            local pairs_ = {}
+            for j = 1, #d.ids do
+                pairs_[j] = { d.ids[j], d.addrs[j] }
+            end
+            meaning = { kind = "decision", decision_id = d.id, candidates = pairs_, route = d.route,
+                        n = #d.ids }
+        elseif case.wire.peers then
+            local version, peers = protocol.peer_list(reply)
+            local list = {}
+            for j, p in ipairs(peers) do
+                list[j] = { p.id, p.addr }
+            end
+            meaning = { kind = "peers", version = version, peers = list, n = #list }
+        else
+            meaning = { kind = "models", cards = protocol.model_list(reply) }
+        end
+        out.replies[i] = meaning
+    end
+    -- A reply in another version is refused.
+    local ok, err = protocol.check({ pv = protocol.VERSION + 1, i = 1, c = {} })
+    out.mismatch = { accepted = ok ~= nil, error = err }
+    return out
+end
+
+local which = ngx.var.arg_file
+local result = which == "features" and run_features() or run_protocol()
+ngx.header["Content-Type"] = "application/json"
+ngx.say(cjson.encode(result))

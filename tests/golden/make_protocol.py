@@ -1,0 +1,117 @@
+"""Regenerates protocol.json: wire messages of the Lua <-> sidecar protocol and what they mean.
+
+Both twins check every case: Python (``tests/test_protocol.py``) and Lua in a real Nginx
+(``tests/test_lua_phases.py``) must build each ``wire`` message from its meaning and read it back.
+Run only when the protocol changes on purpose (both protocol.py and protocol.lua), then review the
+diff: ``python tests/golden/make_protocol.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvgate import protocol
+from kvgate.features import Features
+from kvgate.protocol import (
+    Candidate,
+    Decide,
+    DecisionReply,
+    ErrorCode,
+    ErrorReply,
+    ModelsQuery,
+    ModelsReply,
+    Outcome,
+    PeersQuery,
+    PeersReply,
+    Report,
+)
+
+FEATURES = [
+    Features(
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "h:sess-1",
+        "header",
+        ("0123456789abcdef", "fedcba9876543210"),
+        1536,
+    ),
+    Features("m", "p:a1b2c3d4e5f60718", "prefix", (), 40),
+    Features(None, None, "none", (), 0),
+    Features("m", "u:héllo ✓", "user", ("aaaaaaaaaaaaaaaa",), 700),
+]
+OUTCOMES = [
+    (Outcome(7, "sim-1", 0, None, False, first_byte=True),),
+    (Outcome(7, "sim-1", 200, 0.25, True), Outcome(0, "sim-0", 502, None, False)),
+    (Outcome(9, "sim-2", 504, None, False),),
+]
+REPLIES = [
+    DecisionReply(
+        42,
+        (Candidate("sim-1", "127.0.0.1:8002"), Candidate("sim-0", "127.0.0.1:8001")),
+        "prefix",
+    ),
+    DecisionReply(43, (Candidate("vllm-a", "10.0.0.5:8000"),), "load/rebind-saturated"),
+    DecisionReply(44, (), "no_backend"),
+    ErrorReply(ErrorCode.UNKNOWN_MODEL, "The model `x` does not exist."),
+    ErrorReply(ErrorCode.PROTOCOL_VERSION, "protocol version mismatch"),
+    PeersReply(3, (Candidate("sim-0", "127.0.0.1:8001"), Candidate("sim-1", "127.0.0.1:8002"))),
+    ModelsReply(({"id": "m", "object": "model", "created": 0, "owned_by": "vllm"},)),
+]
+
+
+def features(f: Features) -> dict[str, object]:
+    return {
+        "model": f.model,
+        "key": f.key,
+        "key_source": f.key_source,
+        "hashes": list(f.hashes),
+        "prompt_bytes": f.prompt_bytes,
+    }
+
+
+def outcome(o: Outcome) -> dict[str, object]:
+    return {
+        "decision_id": o.decision_id,
+        "backend": o.backend,
+        "status": o.status,
+        "ttft": o.ttft,
+        "sent": o.sent,
+        "first_byte": o.first_byte,
+    }
+
+
+def reply(r: object) -> dict[str, object]:
+    if isinstance(r, DecisionReply):
+        return {
+            "kind": "decision",
+            "decision_id": r.decision_id,
+            "candidates": [list(c) for c in r.candidates],
+            "route": r.route,
+        }
+    if isinstance(r, ErrorReply):
+        return {"kind": "error", "code": r.code.value, "message": r.message}
+    if isinstance(r, PeersReply):
+        return {"kind": "peers", "version": r.version, "peers": [list(p) for p in r.peers]}
+    assert isinstance(r, ModelsReply)
+    return {"kind": "models", "cards": [dict(c) for c in r.cards]}
+
+
+def main() -> None:
+    out = {
+        "version": protocol.VERSION,
+        "decide": [{"features": features(f), "wire": protocol.encode_message(Decide(f))} for f in FEATURES],
+        "report": [
+            {"outcomes": [outcome(o) for o in batch], "wire": protocol.encode_message(Report(batch))}
+            for batch in OUTCOMES
+        ],
+        "peers": {"wire": protocol.encode_message(PeersQuery())},
+        "models": {"wire": protocol.encode_message(ModelsQuery())},
+        "replies": [{"meaning": reply(r), "wire": protocol.encode_reply(r)} for r in REPLIES],
+    }
+    path = Path(__file__).with_name("protocol.json")
+    path.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

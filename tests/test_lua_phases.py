@@ -1,0 +1,271 @@
+"""kvgate's Lua phases in a real Nginx, without the rest of the stack: the include files production
+uses, a mock sidecar on the unix socket, and server blocks that play the backends."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvgate.tools.launcher import Supervisor, free_port
+
+from tests.conftest import http_json, wait_until
+from tests.lua_harness import MockSidecar, PhaseNginx, backend_server
+
+pytestmark = pytest.mark.e2e
+GOLDEN = Path(__file__).parent / "golden"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
+
+
+class Phase:
+    """Three live backends (ok-a, ok-b, ok-c), one answering 503, one refusing, one too slow."""
+
+    def __init__(self, sup: Supervisor, **settings: Any) -> None:
+        names = ("ok-a", "ok-b", "ok-c", "503", "refused", "refused-2", "slow")
+        self.ports = {name: free_port() for name in names}
+        servers = "\n".join(
+            [
+                *(backend_server(self.ports[n], f'{{"served_by":"{n}"}}') for n in ("ok-a", "ok-b", "ok-c")),
+                backend_server(self.ports["503"], '{"error":"busy"}', status=503),
+                backend_server(self.ports["slow"], sleep_s=3),
+            ]
+        )
+        self.sidecar = MockSidecar(
+            sup.run_dir / "mock.sock", [(n, self.addr(n)) for n in ("ok-a", "ok-b", "ok-c")]
+        )
+        settings.setdefault("read_timeout", "1s")
+        self.nginx = PhaseNginx(sup, self.sidecar.path, servers, **settings)
+        wait_until(lambda: http_json("GET", self.nginx.url + "/kvgate/health")[1]["fail_open_peers"] == 3)
+
+    def addr(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def route(self, *names: str, route: str = "ring", decision_id: int = 7) -> None:
+        """The mock sidecar answers every decision with these candidates, in order."""
+        cands = [[n, self.addr(n)] for n in names]
+        self.sidecar.answer = lambda msg: {"i": decision_id, "c": cands, "r": route}
+
+    def post(self, body: Any = CHAT, headers: dict[str, str] | None = None, raw: bytes | None = None) -> Any:
+        data = raw if raw is not None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.nginx.url + "/v1/chat/completions",
+            data=data,
+            method="POST",
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, dict(resp.headers), resp.read()
+        except urllib.error.HTTPError as exc:
+            try:
+                return exc.code, dict(exc.headers), exc.read()
+            finally:
+                exc.close()
+
+
+@pytest.fixture
+def phase(stack: Supervisor) -> Iterator[Phase]:
+    p = Phase(stack)
+    try:
+        yield p
+    finally:
+        p.sidecar.close()
+
+
+# -- the golden files, from the Lua side -------------------------------------------------------------
+def test_lua_features_match_the_golden_file(phase: Phase) -> None:
+    status, got = http_json("GET", phase.nginx.url + "/test/golden?file=features")
+    cases = json.loads((GOLDEN / "features.json").read_text())
+    assert status == 200 and len(got) == len(cases)
+    for case, lua in zip(cases, got, strict=True):
+        lua["hashes"] = lua["hashes"] if lua.pop("n") else []  # cjson writes an empty table as {}
+        assert lua == case["expected"], case["name"]
+
+
+def test_lua_protocol_matches_the_golden_file(phase: Phase) -> None:
+    status, got = http_json("GET", phase.nginx.url + "/test/golden?file=protocol")
+    golden = json.loads((GOLDEN / "protocol.json").read_text())
+    assert status == 200 and got["version"] == golden["version"]
+    assert got["decide"] == [c["wire"] for c in golden["decide"]]
+    assert got["report"] == [c["wire"] for c in golden["report"]]
+    assert got["peers"] == golden["peers"]["wire"] and got["models"] == golden["models"]["wire"]
+    for case, lua in zip(golden["replies"], got["replies"], strict=True):
+        want = case["meaning"]
+        if want["kind"] == "decision":
+            assert lua["kind"] == "decision" and lua["decision_id"] == want["decision_id"]
+            assert (lua["candidates"] if lua["n"] else []) == want["candidates"] and lua["route"] == want[
+                "route"
+            ]
+        elif want["kind"] == "error":
+            assert lua == {
+                "kind": "error",
+                "code": want["code"],
+                "message": want["message"],
+                "decision": False,
+            }
+        elif want["kind"] == "peers":
+            assert (lua["version"], lua["peers"]) == (want["version"], want["peers"])
+        else:
+            assert lua == want
+    assert got["mismatch"]["accepted"] is False and "mismatch" in got["mismatch"]["error"]
+    assert "protocol version mismatch" in phase.nginx.log()
+
+
+# -- balancer: retries in candidate order ----------------------------------------------------------
+def test_retries_go_to_the_next_candidate_and_every_try_is_reported(phase: Phase) -> None:
+    phase.route("refused", "503", "ok-b", decision_id=11)
+    status, headers, body = phase.post()
+    assert status == 200 and json.loads(body) == {"served_by": "ok-b"}
+    assert headers["X-Kvgate-Backend"] == "ok-b" and headers["X-Kvgate-Route"] == "ring"
+    wait_until(lambda: any(o.get("i") == 11 and "s" in o for o in phase.sidecar.outcomes()))
+    outcomes = phase.sidecar.outcomes()
+    assert {"i": 11, "b": "ok-b", "f": True} in outcomes  # the first byte came back
+    final = [o for o in outcomes if "s" in o]
+    assert [(o["b"], o["s"]) for o in final] == [("refused", 502), ("503", 503), ("ok-b", 200)]
+    assert final[-1]["i"] == 11 and final[-1]["x"] is True and final[-1]["t"] >= 0
+
+
+def test_all_candidates_failing_is_a_json_502(phase: Phase) -> None:
+    phase.route("refused", "refused-2")
+    status, headers, body = phase.post()
+    err = json.loads(body)["error"]
+    assert status == 502 and headers["Content-Type"] == "application/json" and err["code"] == 502
+
+
+def test_the_last_candidates_own_error_passes_through(phase: Phase) -> None:
+    phase.route("refused", "503")
+    status, _, body = phase.post()
+    assert status == 503 and json.loads(body) == {"error": "busy"}
+
+
+def test_a_backend_too_slow_is_a_json_504(phase: Phase) -> None:
+    phase.route("slow")
+    t0 = time.monotonic()
+    status, _, body = phase.post()
+    assert status == 504 and json.loads(body)["error"]["type"] == "GatewayTimeoutError"
+    assert time.monotonic() - t0 < 3
+
+
+# -- fail-open ---------------------------------------------------------------------------------------
+def rendezvous(key: str, ids: list[str]) -> list[str]:
+    """The order Lua's failopen.order gives (ngx.crc32_long is zlib's crc32)."""
+    return sorted(ids, key=lambda i: zlib.crc32(f"{key}|{i}".encode()), reverse=True)
+
+
+@pytest.mark.parametrize("how", ["silent", "error", "version"])
+def test_a_sidecar_that_fails_routes_fail_open_in_rendezvous_order(phase: Phase, how: str) -> None:
+    if how == "silent":
+        phase.sidecar.answer = lambda msg: None  # never answers: the 50 ms budget runs out
+    elif how == "error":
+        phase.sidecar.answer = lambda msg: {"e": "bad_request", "msg": "no"}
+    else:
+        phase.route("ok-a")
+        phase.sidecar.version = 99
+    for session in ("alpha", "beta", "gamma", "delta"):
+        t0 = time.monotonic()
+        status, headers, _ = phase.post(headers={"X-Session-ID": session})
+        assert status == 200 and headers["X-Kvgate-Route"] == "fail-open"
+        assert headers["X-Kvgate-Backend"] == rendezvous(f"h:{session}", ["ok-a", "ok-b", "ok-c"])[0]
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_fail_open_retries_follow_the_rendezvous_order(phase: Phase, stack: Supervisor) -> None:
+    phase.sidecar.answer = lambda msg: None
+    key = "h:retry-order"
+    first, second, _ = rendezvous(key, ["ok-a", "ok-b", "ok-c"])
+    # The first choice's address now refuses connections: the second choice answers.
+    phase.sidecar.peers = [
+        (n, phase.addr("refused") if n == first else phase.addr(n)) for n in ("ok-a", "ok-b", "ok-c")
+    ]
+    phase.sidecar.peers_version = 2
+    wait_until(lambda: http_json("GET", phase.nginx.url + "/kvgate/health")[1]["peers_version"] == 2)
+    status, headers, _ = phase.post(headers={"X-Session-ID": "retry-order"})
+    assert status == 200 and headers["X-Kvgate-Backend"] == second
+
+
+def test_no_peer_and_no_sidecar_is_a_json_503(stack: Supervisor) -> None:
+    sock = stack.run_dir / "none.sock"
+    mock = MockSidecar(sock, [])
+    try:
+        mock.answer = lambda msg: {"e": "bad_request", "msg": "no"}
+        nginx = PhaseNginx(stack, sock, "")
+        status, body = http_json("POST", nginx.url + "/v1/chat/completions", CHAT)
+        assert status == 503 and body["error"]["code"] == 503
+    finally:
+        mock.close()
+
+
+# -- reports -----------------------------------------------------------------------------------------
+def test_reports_are_batched_and_every_request_is_reported(phase: Phase) -> None:
+    phase.route("ok-a", decision_id=21)
+    for _ in range(30):
+        assert phase.post()[0] == 200
+    wait_until(lambda: sum(1 for o in phase.sidecar.outcomes() if "s" in o) == 30)
+    reports = phase.sidecar.reports()
+    assert len(reports) < 30  # one line carries many outcomes (flushed every 100 ms)
+    assert max(len(r["o"]) for r in reports) > 1
+
+
+def test_reports_lost_to_a_dead_sidecar_never_hold_a_response(phase: Phase) -> None:
+    phase.route("ok-c")
+    phase.sidecar.close()  # decisions fail open and reports have nowhere to go
+    t0 = time.monotonic()
+    for _ in range(10):
+        status, headers, _ = phase.post()
+        assert status == 200 and headers["X-Kvgate-Route"] == "fail-open"
+    assert time.monotonic() - t0 < 2
+    wait_until(lambda: "dropped" in phase.nginx.log() or "failed to connect" in phase.nginx.log())
+
+
+# -- every error the gateway makes --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "raw, headers, status, param",
+    [
+        (b"{not json", {}, 400, None),
+        (b"", {}, 400, None),
+        (b'{"model":"m","user":"\xed\xa0\x80","messages":[]}', {}, 400, "user"),
+        (b'{"model":"unknown","messages":[{"role":"user","content":"x"}]}', {}, 404, "model"),
+        (b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * 20_000 + b'"}]}', {}, 413, None),
+    ],
+)
+def test_gateway_made_errors_are_openai_json(
+    stack: Supervisor, raw: bytes, headers: dict[str, str], status: int, param: str | None
+) -> None:
+    sock = stack.run_dir / "mock.sock"
+    mock = MockSidecar(sock, [("ok", "127.0.0.1:1")])
+    mock.answer = lambda msg: {"e": "unknown_model", "msg": "The model `unknown` does not exist."}
+    try:
+        nginx = PhaseNginx(stack, sock, "", client_max_body_size="16k")
+        req = urllib.request.Request(
+            nginx.url + "/v1/chat/completions", data=raw, method="POST", headers=headers
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                got, ctype, text = resp.status, resp.headers["Content-Type"], resp.read()
+        except urllib.error.HTTPError as exc:
+            got, ctype, text = exc.code, exc.headers["Content-Type"], exc.read()
+            exc.close()
+        err = json.loads(text)["error"]
+        assert got == status and ctype == "application/json"
+        assert err["code"] == status and err["param"] == param and err["message"]
+    finally:
+        mock.close()
+
+
+def test_unknown_routes_are_json_404(phase: Phase) -> None:
+    status, body = http_json("GET", phase.nginx.url + "/v1/nothing-here")
+    assert status == 404 and body["error"]["type"] == "NotFoundError"
+
+
+def test_no_lua_errors_in_the_log(phase: Phase) -> None:
+    phase.route("refused", "ok-a")
+    phase.post()
+    phase.post(raw=b"{bad")
+    text = phase.nginx.log()
+    assert "lua entry thread aborted" not in text and "runtime error" not in text, text[-2000:]

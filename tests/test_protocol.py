@@ -1,0 +1,117 @@
+"""The Python twin of the wire protocol against the golden messages (Lua checks the same file in
+``test_lua_phases.py``), and what it refuses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvgate import protocol
+from kvgate.features import Features
+from kvgate.protocol import (
+    Candidate,
+    Decide,
+    DecisionReply,
+    ErrorCode,
+    ErrorReply,
+    ModelsQuery,
+    ModelsReply,
+    Outcome,
+    PeersQuery,
+    PeersReply,
+    ProtocolError,
+    Report,
+)
+
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "protocol.json").read_text())
+
+
+def features(d: dict[str, Any]) -> Features:
+    return Features(d["model"], d["key"], d["key_source"], tuple(d["hashes"]), d["prompt_bytes"])
+
+
+def outcome(d: dict[str, Any]) -> Outcome:
+    return Outcome(d["decision_id"], d["backend"], d["status"], d["ttft"], d["sent"], d["first_byte"])
+
+
+def reply(d: dict[str, Any]) -> object:
+    kind = d["kind"]
+    if kind == "decision":
+        return DecisionReply(d["decision_id"], tuple(Candidate(*c) for c in d["candidates"]), d["route"])
+    if kind == "error":
+        return ErrorReply(ErrorCode(d["code"]), d["message"])
+    if kind == "peers":
+        return PeersReply(d["version"], tuple(Candidate(*p) for p in d["peers"]))
+    return ModelsReply(tuple(d["cards"]))
+
+
+def test_golden_version_is_the_protocol_version() -> None:
+    assert GOLDEN["version"] == protocol.VERSION
+
+
+@pytest.mark.parametrize("case", GOLDEN["decide"], ids=lambda c: str(c["features"]["key_source"]))
+def test_decide_messages_encode_and_decode_as_golden(case: dict[str, Any]) -> None:
+    f = features(case["features"])
+    assert protocol.encode_message(Decide(f)) == case["wire"]
+    assert protocol.decode_message(protocol.line(case["wire"])) == Decide(f)
+
+
+@pytest.mark.parametrize("case", GOLDEN["report"])
+def test_report_messages_encode_and_decode_as_golden(case: dict[str, Any]) -> None:
+    batch = tuple(outcome(o) for o in case["outcomes"])
+    assert protocol.encode_message(Report(batch)) == case["wire"]
+    assert protocol.decode_message(protocol.line(case["wire"])) == Report(batch)
+
+
+def test_queries_encode_and_decode_as_golden() -> None:
+    assert protocol.encode_message(PeersQuery()) == GOLDEN["peers"]["wire"]
+    assert protocol.encode_message(ModelsQuery()) == GOLDEN["models"]["wire"]
+    assert protocol.decode_message(protocol.line(GOLDEN["peers"]["wire"])) == PeersQuery()
+    assert protocol.decode_message(protocol.line(GOLDEN["models"]["wire"])) == ModelsQuery()
+
+
+@pytest.mark.parametrize("case", GOLDEN["replies"], ids=lambda c: str(c["meaning"]["kind"]))
+def test_replies_encode_and_decode_as_golden(case: dict[str, Any]) -> None:
+    r = reply(case["meaning"])
+    assert protocol.encode_reply(r) == case["wire"]  # type: ignore[arg-type]
+    assert protocol.decode_reply(case["wire"]) == r
+
+
+@pytest.mark.parametrize(
+    "raw, code",
+    [
+        (b'{"op":"peers"}', ErrorCode.PROTOCOL_VERSION),
+        (b'{"pv":2,"op":"peers"}', ErrorCode.PROTOCOL_VERSION),
+        (b'{"pv":1,"op":"nope"}', ErrorCode.BAD_REQUEST),
+        (b"[1,2]", ErrorCode.BAD_REQUEST),
+        (b"\xff\xfe", ErrorCode.BAD_REQUEST),
+        (b'{"pv":1,"op":"decide","f":{"k":"h:\xed\xa0\x80"}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":1,"op":"decide","f":{"k":"h:\\udfff"}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":1,"op":"decide","f":{"b":NaN}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":1,"op":"decide","f":{"b":1e400}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":1,"op":"decide","f":{"h":"not a list"}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":1,"op":"decide","f":[]}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":1,"op":"report","o":[{"i":"x"}]}', ErrorCode.BAD_REQUEST),
+    ],
+)
+def test_lines_that_are_not_messages_are_refused_with_a_code(raw: bytes, code: ErrorCode) -> None:
+    with pytest.raises(ProtocolError) as err:
+        protocol.decode_message(raw)
+    assert err.value.code is code
+
+
+def test_a_refused_report_is_not_answered() -> None:
+    """Lua reads no answer to a report: an error line would become the answer to its next call."""
+    with pytest.raises(ProtocolError) as err:
+        protocol.decode_message(b'{"pv":9,"op":"report","o":[]}')
+    assert not err.value.answered
+    with pytest.raises(ProtocolError) as err:
+        protocol.decode_message(b'{"pv":9,"op":"decide"}')
+    assert err.value.answered
+
+
+def test_an_empty_table_from_lua_reads_as_no_hashes() -> None:
+    msg = protocol.decode_message(b'{"pv":1,"op":"decide","f":{"ks":"none","b":0,"h":{}}}')
+    assert isinstance(msg, Decide) and msg.features.hashes == ()

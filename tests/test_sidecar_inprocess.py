@@ -1,0 +1,273 @@
+"""The sidecar's parts in one process: the decision service, registry, sessions and HTTP API, with
+aiohttp's test client, a real redis-server and simulated backends served in the same event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import pytest
+import redis.asyncio as aioredis
+from aiohttp.test_utils import TestClient, TestServer
+from kvgate.app import create_app, redis_client
+from kvgate.config import BackendSpec, Config
+from kvgate.features import Features, extract
+from kvgate.load import Scraped
+from kvgate.policies import SessionAction
+from kvgate.protocol import Outcome
+from kvgate.sidecar import Sidecar, build_sidecar
+from kvgate.tools.launcher import Supervisor, free_port, free_ports
+
+from tests.conftest import MODEL
+from tests.helpers import chat
+from vllm_sim.engine import EngineConfig
+from vllm_sim.profiles import LLAMA3_8B_H100
+from vllm_sim.server import Instance, InstanceConfig
+
+T = TypeVar("T")
+
+
+def run(coro: Awaitable[T]) -> T:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    sup = Supervisor(tmp_path_factory.mktemp("redis"))
+    port = free_port()
+    sup.start_redis(port)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        sup.stop_all()
+
+
+def config(redis_url: str | None, backends: int = 3, base_port: int = 1, **routing: Any) -> Config:
+    return Config.from_mapping(
+        {
+            "listen": {"socket": "unused.sock", "http_port": 0, "admin_token": "t0ken"},
+            "redis": {"url": redis_url, "prefix": f"kvgate-{os.urandom(4).hex()}", "retry_after_ms": 50},
+            "scrape": {"interval_ms": 100, "timeout_ms": 80, "unhealthy_after": 2, "healthy_after": 2},
+            "routing": routing,
+            "backends": [
+                {"id": f"b{i}", "url": f"http://127.0.0.1:{base_port + i}"} for i in range(backends)
+            ],
+        },
+        {},
+    )
+
+
+def core(cfg: Config, client: aioredis.Redis | None) -> Sidecar:
+    """A routing core with every backend healthy, serving MODEL, load known and idle."""
+    sc = build_sidecar(cfg, client)
+    sc.registry.set_membership((b, False) for b in cfg.backends)
+    for b in cfg.backends:
+        sc.registry.set_models(b.id, frozenset({MODEL}))
+        sc.registry.scrape_ok(b.id, Scraped(0, 0, 0.1, None, None, asyncio.get_running_loop().time()))
+    return sc
+
+
+def features(conversation: int, turns: int = 1, session: str | None = None) -> Features:
+    return extract(chat(conversation, turns), {"X-Session-ID": session} if session else None)
+
+
+# -- decision service and sessions against a real Redis ---------------------------------------------
+def test_two_services_racing_for_a_new_session_agree_on_one_backend(redis_url: str) -> None:
+    """The claim race: both replicas decide a new key at once; the first SET NX wins, the other
+    re-decides from the winner, and both answer the same backend."""
+
+    async def scenario() -> None:
+        cfg = config(redis_url)
+        ca, cb = redis_client(cfg), redis_client(cfg)
+        assert ca is not None and cb is not None
+        a, b = core(cfg, ca), core(cfg, cb)
+        for i in range(40):
+            f = features(i, session=f"race-{i}")
+            # Skew the loads so the two would pick differently if they did not agree through Redis.
+            a.registry.inflight.update({"b0": 0, "b1": 9, "b2": 9})
+            b.registry.inflight.update({"b0": 9, "b1": 9, "b2": 0})
+            ra, rb = await asyncio.gather(a.service.decide(f), b.service.decide(f))
+            assert ra.candidates[0] == rb.candidates[0], i
+            actions = {ra.decision.session, rb.decision.session}
+            assert SessionAction.BIND in actions, actions  # exactly one claimed it first
+        await ca.aclose()
+        await cb.aclose()
+
+    run(scenario())
+
+
+def test_a_bound_session_is_kept_and_moves_only_when_its_backend_saturates(redis_url: str) -> None:
+    async def scenario() -> None:
+        cfg = config(redis_url)
+        client = redis_client(cfg)
+        sc = core(cfg, client)
+        first = await sc.service.decide(features(1, session="s"))
+        home = first.candidates[0].id
+        again = await sc.service.decide(features(1, 2, session="s"))
+        assert again.candidates[0].id == home and again.decision.session is SessionAction.KEEP
+        sc.registry.scrape_ok(home, Scraped(4, 20, 0.5, None, None, asyncio.get_running_loop().time()))
+        sc.registry.changed()
+        moved = await sc.service.decide(features(1, 3, session="s"))
+        assert moved.candidates[0].id != home and moved.decision.session is SessionAction.REBIND
+        assert client is not None
+        stored = await client.get(f"{cfg.redis.prefix}:s:h:s")
+        assert stored.decode() == moved.candidates[0].id
+        await client.aclose()
+
+    run(scenario())
+
+
+def test_sessions_route_from_memory_while_redis_is_down_and_write_back_after() -> None:
+    async def scenario(sup: Supervisor) -> None:
+        port = free_port()
+        cfg = config(f"redis://127.0.0.1:{port}/0")
+        client = redis_client(cfg)
+        assert client is not None
+        sc = core(cfg, client)
+        during = await sc.service.decide(features(5, session="down"))  # nothing listens yet
+        assert not sc.sessions.redis_ok
+        again = await sc.service.decide(features(5, 2, session="down"))
+        assert again.candidates[0] == during.candidates[0]
+        sup.start_redis(port)
+        await asyncio.sleep(0.06)  # past retry_after: the next decision tries Redis again
+        await sc.service.decide(features(6, session="other"))
+        stored = await client.get(f"{cfg.redis.prefix}:s:h:down")
+        assert stored is not None and stored.decode() == during.candidates[0].id
+        await client.aclose()
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        sup = Supervisor(Path(d))
+        try:
+            run(scenario(sup))
+        finally:
+            sup.stop_all()
+
+
+# -- registry ----------------------------------------------------------------------------------------
+def test_inflight_counts_rise_with_decisions_and_end_with_reports() -> None:
+    async def scenario() -> None:
+        sc = core(config(None), None)
+        routed = [await sc.service.decide(features(i)) for i in range(12)]
+        assert sum(sc.registry.inflight.values()) == 12 and sum(sc.registry.inflight_tokens.values()) > 0
+        sc.service.report([Outcome(r.decision_id, r.candidates[0].id, 0, None, False, True) for r in routed])
+        assert sum(sc.registry.inflight_tokens.values()) == 0  # first bytes: prefill done
+        assert sum(sc.registry.inflight.values()) == 12
+        sc.service.report([Outcome(r.decision_id, r.candidates[0].id, 200, 0.1, True) for r in routed])
+        assert sum(sc.registry.inflight.values()) == 0
+        sc.service.report([Outcome(r.decision_id, r.candidates[0].id, 200, 0.1, True) for r in routed])
+        assert all(v == 0 for v in sc.registry.inflight.values())  # a second report changes nothing
+
+    run(scenario())
+
+
+def test_health_turns_on_consecutive_failures_and_back_on_successes() -> None:
+    async def scenario() -> None:
+        sc = core(config(None), None)
+        reg = sc.registry
+        v0, _ = reg.peers()
+        reg.failure("b1", "refused")
+        assert reg.backends["b1"].healthy
+        reg.failure("b1", "refused")
+        assert not reg.backends["b1"].healthy
+        v1, peers = reg.peers()
+        assert v1 > v0 and [p.id for p in peers] == ["b0", "b2"]
+        now = asyncio.get_running_loop().time()
+        reg.scrape_ok("b1", Scraped(0, 0, 0.1, None, None, now))
+        assert not reg.backends["b1"].healthy
+        reg.scrape_ok("b1", Scraped(0, 0, 0.1, None, None, now))
+        assert reg.backends["b1"].healthy and reg.peers()[0] > v1
+
+    run(scenario())
+
+
+def test_membership_changes_rebuild_the_ring_only_when_the_eligible_set_changes() -> None:
+    async def scenario() -> None:
+        cfg = config(None)
+        sc = core(cfg, None)
+        version = sc.registry.peers_version
+        assert not sc.registry.set_membership((b, False) for b in cfg.backends)
+        assert sc.registry.peers_version == version
+        extra = BackendSpec("b9", "http://127.0.0.1:9")
+        assert sc.registry.set_membership([*((b, False) for b in cfg.backends), (extra, False)])
+        assert sc.registry.peers_version == version + 1
+        assert sc.registry.set_membership([*((b, False) for b in cfg.backends), (extra, True)])  # drained
+        assert "b9" not in {p.id for p in sc.registry.peers()[1]}
+
+    run(scenario())
+
+
+# -- the HTTP API, with the control loops running over real (in-process) simulated backends -----------
+@asynccontextmanager
+async def sidecar_app(redis_url: str | None) -> AsyncIterator[tuple[TestClient[Any, Any], Config]]:
+    port = free_ports(2)
+    instances = []
+    for i in range(2):
+        inst = Instance(InstanceConfig(MODEL, EngineConfig.from_profile(LLAMA3_8B_H100, seed=i)))
+        await inst.start("127.0.0.1", port + i)
+        instances.append(inst)
+    cfg = config(redis_url, backends=2, base_port=port)
+    sock = f"/tmp/kvgate-inprocess-{os.getpid()}-{port}.sock"
+    cfg = Config.from_mapping(
+        {
+            "listen": {"socket": sock, "admin_token": "t0ken"},
+            "redis": {"url": redis_url, "prefix": cfg.redis.prefix},
+            "backends": [{"id": b.id, "url": b.url} for b in cfg.backends],
+        },
+        {},
+    )
+    client = TestClient(TestServer(create_app(cfg)))
+    await client.start_server()
+    try:
+        yield client, cfg
+    finally:
+        await client.close()
+        for inst in instances:
+            await inst.stop()
+
+
+def test_http_api_serves_health_backends_models_and_decisions(redis_url: str) -> None:
+    async def scenario() -> None:
+        async with sidecar_app(redis_url) as (client, _):
+            health = await (await client.get("/healthz")).json()
+            assert (
+                health["status"] == "ok" and health["eligible_backends"] == 2 and health["pid"] == os.getpid()
+            )
+            backends = (await (await client.get("/v1/backends")).json())["backends"]
+            assert [b["id"] for b in backends] == ["b0", "b1"] and all(b["load"]["known"] for b in backends)
+            models = await (await client.get("/v1/models")).json()
+            assert [m["id"] for m in models["data"]] == [MODEL]
+            peers = await (await client.get("/peers")).json()
+            assert [p["id"] for p in peers["peers"]] == ["b0", "b1"]
+            r = await client.post("/v1/decide", json={"body": chat(1, 1), "headers": {"X-Session-ID": "x"}})
+            d = await r.json()
+            assert r.status == 200 and d["candidates"][0]["id"] in ("b0", "b1") and d["session"] == "bind"
+            r = await client.post("/v1/decide", json={"body": {"model": "nope", "prompt": "x"}})
+            assert r.status == 404 and (await r.json())["error"]["code"] == 404
+            r = await client.post("/v1/decide", data=b"not json")
+            assert r.status == 400
+            metrics = await (await client.get("/metrics")).text()
+            assert "kvgate_decisions_total" in metrics
+
+    run(scenario())
+
+
+def test_admin_routes_need_the_bearer_token(redis_url: str) -> None:
+    async def scenario() -> None:
+        async with sidecar_app(redis_url) as (client, _):
+            assert (await client.post("/admin/backends/b0/drain")).status == 401
+            bad = {"Authorization": "Bearer nope"}
+            assert (await client.post("/admin/backends/b0/drain", headers=bad)).status == 401
+            ok = {"Authorization": "Bearer t0ken"}
+            assert (await client.post("/admin/backends/b0/drain", headers=ok)).status == 200
+            backends = (await (await client.get("/v1/backends")).json())["backends"]
+            assert backends[0]["state"] == "draining"
+            recent = await (await client.get("/debug/decisions", headers=ok)).json()
+            assert recent == {"decisions": []}
+
+    run(scenario())
