@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -300,3 +302,55 @@ def test_lone_surrogates_in_a_prompt_do_not_take_the_server_down(sim: str, body:
         assert exc.code == 400
         exc.close()
     assert http_json("GET", sim + "/health")[0] == 200
+
+
+def _timed_post(url: str, body: dict[str, Any]) -> tuple[float, float, float]:
+    """Seconds to the status line and headers, to the first body bytes, and to the end."""
+    import http.client
+
+    host, port = url.split("//", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    data = json.dumps(body).encode()
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body=data, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    t_headers = time.perf_counter() - t0
+    assert resp.status == 200
+    resp.read1(1)
+    t_first = time.perf_counter() - t0
+    resp.read()
+    t_end = time.perf_counter() - t0
+    conn.close()
+    return t_headers, t_first, t_end
+
+
+def test_stream_headers_leave_at_acceptance_and_the_first_event_with_the_first_token(sim: str) -> None:
+    """vLLM streams through a Starlette StreamingResponse: headers before prefill, the role chunk with
+    the first token. A JSON response comes whole at the end (vLLM's JSONResponse)."""
+    prompt = words(6000, "hdr")  # ~0.2 s of prefill on the H100 profile
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 2,
+        "stream": True,
+    }
+    t_headers, t_first, _ = _timed_post(sim, body)
+    assert t_headers < 0.1 and t_first - t_headers > 0.1, (t_headers, t_first)
+    body = {**body, "stream": False, "messages": [{"role": "user", "content": words(6000, "hdr2")}]}
+    t_headers, t_first, t_end = _timed_post(sim, body)
+    assert t_headers > 0.1 and t_end - t_headers < 0.05, (t_headers, t_end)
+
+
+def test_idle_client_connections_are_closed_after_the_keep_alive_time(tmp_path: Path) -> None:
+    s = Supervisor(tmp_path / "run")
+    port = free_ports(1)
+    try:
+        s.start_sim(port, 1, "sim", "--keep-alive-s", "0.5")
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            conn.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b"200" in conn.recv(4096)
+            t0 = time.perf_counter()
+            assert conn.recv(4096) == b""  # the server closes the idle connection
+            assert 0.3 < time.perf_counter() - t0 < 3
+    finally:
+        s.stop_all()

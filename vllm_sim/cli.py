@@ -14,7 +14,7 @@ from vllm_sim.calibrate import calibrate, report
 from vllm_sim.engine import EngineConfig, SchedulingPolicy
 from vllm_sim.faults import Faults
 from vllm_sim.profiles import PROFILES, get_profile
-from vllm_sim.server import Instance, InstanceConfig
+from vllm_sim.server import KEEP_ALIVE_S, Instance, InstanceConfig
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -31,6 +31,12 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--scheduling-policy", choices=[s.value for s in SchedulingPolicy], default="fcfs")
+    p.add_argument(
+        "--keep-alive-s",
+        type=float,
+        default=KEEP_ALIVE_S,
+        help="close idle client connections after this long (vLLM/uvicorn: 5 s)",
+    )
     f = p.add_argument_group("fault injection (also settable at run time: POST /sim/faults)")
     f.add_argument("--fault-unhealthy", action="store_true")
     f.add_argument("--fault-latency-ms", type=float, default=0.0)
@@ -67,7 +73,15 @@ def _configs(args: argparse.Namespace) -> list[InstanceConfig]:
             policy=SchedulingPolicy(args.scheduling_policy),
             seed=args.seed + i,
         )
-        out.append(InstanceConfig(model=args.model, engine=engine, time_scale=args.time_scale, faults=faults))
+        out.append(
+            InstanceConfig(
+                model=args.model,
+                engine=engine,
+                time_scale=args.time_scale,
+                faults=faults,
+                keep_alive_s=args.keep_alive_s,
+            )
+        )
     return out
 
 

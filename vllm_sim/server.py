@@ -24,12 +24,18 @@ logger = logging.getLogger(__name__)
 VLLM_VERSION = "0.11.0"
 
 
+# uvicorn's timeout_keep_alive, which vLLM sets from VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default 5 s): an
+# idle client connection is closed after this long, and a gateway's connection pool must cope.
+KEEP_ALIVE_S = 5.0
+
+
 @dataclass(frozen=True, slots=True)
 class InstanceConfig:
     model: str
     engine: EngineConfig
     time_scale: float = 1.0
     faults: Faults = field(default_factory=Faults)
+    keep_alive_s: float = KEEP_ALIVE_S
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -96,7 +102,12 @@ class Instance:
             self._reopen.cancel()
 
     async def start(self, host: str, port: int) -> None:
-        self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
+        self.runner = web.AppRunner(
+            self.app(),
+            access_log=None,
+            handler_cancellation=True,
+            keepalive_timeout=self.config.keep_alive_s,
+        )
         await self.runner.setup()
         await self._listen(host, port)
 
@@ -236,14 +247,19 @@ class Instance:
         async def send(obj: Any) -> None:
             await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
 
+        # Like vLLM (a Starlette StreamingResponse under uvicorn), the status line and headers leave as
+        # soon as the request is accepted, before prefill; the first event leaves with the first token.
+        await resp.prepare(request)
         n = 0
         last: float | None = None
         abort_after = self.faults.abort_after_tokens
+        if abort_after == 0:
+            self._cut(request)  # an engine that dies during prefill, after the headers left
+        first = True
         while True:
             event = await queue.get()
-            if not resp.prepared:
-                # Like vLLM, headers and the role chunk leave with the first engine output.
-                await resp.prepare(request)
+            if first:
+                first = False
                 if builder.chat:
                     await send(builder.role_chunk())
             if event.finish_reason in ("error", INTERNAL_ERROR):
@@ -262,10 +278,7 @@ class Instance:
                 running = protocol.usage(req.prompt_len, n, req.cached_tokens or 0)
                 await send(builder.token_chunk(" " + event.word, event.finish_reason, running))
                 if abort_after is not None and n >= abort_after and event.finish_reason is None:
-                    # Simulates an engine crash mid-stream: the connection drops without [DONE].
-                    if request.transport is not None:
-                        request.transport.abort()
-                    raise asyncio.CancelledError
+                    self._cut(request)
             if event.finish_reason is not None:
                 self._finish_metrics(req)
                 if builder.req.include_usage:
@@ -274,6 +287,13 @@ class Instance:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    @staticmethod
+    def _cut(request: web.Request) -> None:
+        """An engine crash mid-stream: the connection drops without [DONE]."""
+        if request.transport is not None:
+            request.transport.abort()
+        raise asyncio.CancelledError
 
     async def models(self, request: web.Request) -> web.Response:
         m = self.config.model
