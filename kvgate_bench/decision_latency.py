@@ -82,7 +82,7 @@ def main() -> None:
                 text = (f"conversation {i} " + "lorem ipsum dolor sit amet " * (words // 5 + 1))[:size]
                 body = {"model": "bench-model", "messages": [{"role": "user", "content": text}]}
                 key = f"preloaded-{i}" if args.sessions and i % 2 == 0 else f"new-{size}-{i}"
-                msg = encode_message(Decide(extract(body, {"X-Session-ID": key})))
+                msg = encode_message(Decide(client.next_id(), extract(body, {"X-Session-ID": key})))
                 t0 = time.perf_counter()
                 raw = client.send_raw(msg)
                 samples.append(time.perf_counter() - t0)

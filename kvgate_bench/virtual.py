@@ -104,7 +104,7 @@ def replay(
     busy = [False] * backends
     pending: list[list[TokenEvent]] = [[] for _ in range(backends)]
     # engine request id -> (rid, decision id, backend, reason)
-    meta: dict[str, tuple[int, int, str, str]] = {}
+    meta: dict[str, tuple[int, str, str, str]] = {}
     awaiting_first: set[str] = set()  # requests whose first token Nginx has not reported yet
     run = Run(policy.value, backends, speedup)
     seq = itertools.count()
@@ -153,7 +153,7 @@ def replay(
                 reason,
             )
         )
-        service.report([Outcome(decision, backend, 200, first - req.arrival, True)])
+        service.report([Outcome.end(decision, backend, 200, True, first - req.arrival, end - req.arrival)])
         done += 1
         if progress is not None and (done % 200 == 0 or done == len(requests)):
             progress(done, len(requests))
@@ -187,10 +187,10 @@ def replay(
             for ev in pending[i]:
                 name = ev.request.request_id
                 if name in awaiting_first:
-                    # What Nginx's header filter reports when the stream starts.
+                    # What Nginx's body filter reports when the stream's first byte passes.
                     awaiting_first.discard(name)
                     _, decision, backend, _ = meta[name]
-                    service.report([Outcome(decision, backend, 0, None, False, first_byte=True)])
+                    service.report([Outcome.first(decision, backend)])
                 if ev.finish_reason is not None:
                     finish(ev)
             pending[i] = []

@@ -94,6 +94,7 @@ class Gateway:
         client_max_body_size: str = "16m",
         route_headers: bool = True,
         read_timeout: str = "600s",
+        upstream_keepalive_timeout: str = "4s",
         **routing: Any,
     ) -> None:
         self.stack = stack
@@ -113,6 +114,7 @@ class Gateway:
             route_headers=route_headers,
             read_timeout=read_timeout,
             retry_deadline="3s",
+            upstream_keepalive_timeout=upstream_keepalive_timeout,
         )
         cfg = sidecar_config(socket, free_port(), redis_port, sim_port, n, **routing)
         self.replica = launch_replica(stack, name, cfg, self.settings)

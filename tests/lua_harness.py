@@ -171,6 +171,23 @@ http {{
         return self.error_log.read_text() if self.error_log.exists() else ""
 
 
+def stream_server(port: int, first_after_s: float, events: int, every_s: float) -> str:
+    """A server block that streams like vLLM: headers at once, the first event after ``first_after_s``
+    (its prefill), then ``events`` more every ``every_s``, then [DONE]."""
+    return f"""server {{ listen 127.0.0.1:{port}; location / {{ content_by_lua_block {{
+        ngx.header["Content-Type"] = "text/event-stream"
+        ngx.send_headers()
+        ngx.flush(true)
+        ngx.sleep({first_after_s})
+        for i = 1, {events} do
+            ngx.print('data: {{"n":' .. i .. '}}\\n\\n')
+            ngx.flush(true)
+            ngx.sleep({every_s})
+        end
+        ngx.print("data: [DONE]\\n\\n")
+    }} }} }}"""
+
+
 def backend_server(port: int, body: str = "", status: int = 200, sleep_s: float = 0.0) -> str:
     """A server block that answers every request like a tiny backend."""
     if sleep_s:

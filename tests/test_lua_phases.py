@@ -16,7 +16,7 @@ import pytest
 from kvgate.tools.launcher import Supervisor, free_port
 
 from tests.conftest import http_json, wait_until
-from tests.lua_harness import MockSidecar, PhaseNginx, backend_server
+from tests.lua_harness import MockSidecar, PhaseNginx, backend_server, stream_server
 
 pytestmark = pytest.mark.e2e
 GOLDEN = Path(__file__).parent / "golden"
@@ -27,13 +27,14 @@ class Phase:
     """Three live backends (ok-a, ok-b, ok-c), one answering 503, one refusing, one too slow."""
 
     def __init__(self, sup: Supervisor, **settings: Any) -> None:
-        names = ("ok-a", "ok-b", "ok-c", "503", "refused", "refused-2", "slow")
+        names = ("ok-a", "ok-b", "ok-c", "503", "refused", "refused-2", "slow", "stream")
         self.ports = {name: free_port() for name in names}
         servers = "\n".join(
             [
                 *(backend_server(self.ports[n], f'{{"served_by":"{n}"}}') for n in ("ok-a", "ok-b", "ok-c")),
                 backend_server(self.ports["503"], '{"error":"busy"}', status=503),
                 backend_server(self.ports["slow"], sleep_s=3),
+                stream_server(self.ports["stream"], first_after_s=0.3, events=5, every_s=0.1),
             ]
         )
         self.sidecar = MockSidecar(
@@ -46,10 +47,10 @@ class Phase:
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
 
-    def route(self, *names: str, route: str = "ring", decision_id: int = 7) -> None:
+    def route(self, *names: str, route: str = "ring") -> None:
         """The mock sidecar answers every decision with these candidates, in order."""
         cands = [[n, self.addr(n)] for n in names]
-        self.sidecar.answer = lambda msg: {"i": decision_id, "c": cands, "r": route}
+        self.sidecar.answer = lambda msg: {"i": msg["i"], "c": cands, "r": route}
 
     def post(self, body: Any = CHAT, headers: dict[str, str] | None = None, raw: bytes | None = None) -> Any:
         data = raw if raw is not None else json.dumps(body).encode()
@@ -119,23 +120,83 @@ def test_lua_protocol_matches_the_golden_file(phase: Phase) -> None:
 
 # -- balancer: retries in candidate order ----------------------------------------------------------
 def test_retries_go_to_the_next_candidate_and_every_try_is_reported(phase: Phase) -> None:
-    phase.route("refused", "503", "ok-b", decision_id=11)
+    phase.route("refused", "503", "ok-b")
     status, headers, body = phase.post()
     assert status == 200 and json.loads(body) == {"served_by": "ok-b"}
     assert headers["X-Kvgate-Backend"] == "ok-b" and headers["X-Kvgate-Route"] == "ring"
-    wait_until(lambda: any(o.get("i") == 11 and "s" in o for o in phase.sidecar.outcomes()))
+    did = phase.sidecar.decides()[-1]["i"]
+    wait_until(lambda: any(o["k"] == "end" for o in phase.sidecar.outcomes()))
     outcomes = phase.sidecar.outcomes()
-    assert {"i": 11, "b": "ok-b", "f": True} in outcomes  # the first byte came back
-    final = [o for o in outcomes if "s" in o]
-    assert [(o["b"], o["s"]) for o in final] == [("refused", 502), ("503", 503), ("ok-b", 200)]
-    assert final[-1]["i"] == 11 and final[-1]["x"] is True and final[-1]["t"] >= 0
+    assert {"k": "first", "i": did, "b": "ok-b"} in outcomes  # the first body byte went out
+    final = [o for o in outcomes if o["k"] in ("try", "end")]
+    assert [(o["k"], o["b"], o["s"]) for o in final] == [
+        ("try", "refused", 502),
+        ("try", "503", 503),
+        ("end", "ok-b", 200),
+    ]
+    end = final[-1]
+    assert end["i"] == did and end["x"] is True and "t" not in end and end["d"] >= 0  # JSON: no TTFT
 
 
-def test_all_candidates_failing_is_a_json_502(phase: Phase) -> None:
+def test_all_candidates_failing_is_a_json_502_and_still_reported(phase: Phase) -> None:
+    """error_page's internal redirect drops ngx.ctx; the outcome is reported all the same."""
     phase.route("refused", "refused-2")
     status, headers, body = phase.post()
     err = json.loads(body)["error"]
     assert status == 502 and headers["Content-Type"] == "application/json" and err["code"] == 502
+    did = phase.sidecar.decides()[-1]["i"]
+    wait_until(lambda: any(o["k"] == "end" for o in phase.sidecar.outcomes()))
+    final = [(o["k"], o["b"], o["s"]) for o in phase.sidecar.outcomes() if o["k"] in ("try", "end")]
+    assert final == [("try", "refused", 502), ("end", "refused-2", 502)]
+    assert [o["i"] for o in phase.sidecar.outcomes() if o["k"] == "end"] == [did]
+
+
+def test_stream_ttft_is_the_first_body_byte_not_the_headers(phase: Phase) -> None:
+    """The backend sends its headers at once and the first event 0.3 s later, as vLLM does: the
+    first-byte report and the reported TTFT follow the event."""
+    phase.route("stream")
+    t0 = time.monotonic()
+    status, headers, body = phase.post()
+    assert status == 200 and body.count(b"data: ") == 6 and headers["X-Kvgate-Backend"] == "stream"
+    did = phase.sidecar.decides()[-1]["i"]
+    wait_until(lambda: any(o["k"] == "end" for o in phase.sidecar.outcomes()))
+    end = next(o for o in phase.sidecar.outcomes() if o["k"] == "end")
+    assert end["i"] == did and 0.28 <= end["t"] <= 0.6 and end["d"] >= end["t"] + 0.4, end
+    assert time.monotonic() - t0 >= 0.7
+    assert {"k": "first", "i": did, "b": "stream"} in phase.sidecar.outcomes()
+
+
+def test_a_late_decision_is_dropped_and_the_request_falls_open(phase: Phase) -> None:
+    """A sidecar that answers after the 50 ms budget may have counted the request: Nginx reports the
+    decision it did not use as dropped, so the count ends."""
+    phase.route("ok-a")
+    phase.sidecar.delay_s = 0.2
+    status, headers, _ = phase.post(headers={"X-Session-ID": "late"})
+    assert status == 200 and headers["X-Kvgate-Route"] == "fail-open"
+    did = phase.sidecar.decides()[-1]["i"]
+    wait_until(lambda: {"k": "drop", "i": did} in phase.sidecar.outcomes(), timeout=2)
+    wait_until(lambda: any(o["k"] == "end" and "i" not in o for o in phase.sidecar.outcomes()))
+    metrics = http_json("GET", phase.nginx.url + "/kvgate/metrics")[1]
+    assert 'kvgate_gateway_failopen_total{reason="timeout"} 1' in metrics
+
+
+def test_reports_of_requests_still_open_at_a_reload_are_not_lost(phase: Phase, stack: Supervisor) -> None:
+    """An exiting worker hands its reports to the shared dict; the new workers send them."""
+    import os
+    import signal
+    import threading
+
+    phase.route("stream")
+    results: list[int] = []
+    threads = [threading.Thread(target=lambda: results.append(phase.post()[0])) for _ in range(4)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(phase.sidecar.decides()) == 4)
+    os.kill(stack.procs["phase-nginx"].pid, signal.SIGHUP)  # nginx -s reload
+    for t in threads:
+        t.join(10)
+    assert results == [200] * 4
+    wait_until(lambda: sum(1 for o in phase.sidecar.outcomes() if o["k"] == "end") == 4, timeout=5)
 
 
 def test_the_last_candidates_own_error_passes_through(phase: Phase) -> None:
@@ -203,10 +264,12 @@ def test_no_peer_and_no_sidecar_is_a_json_503(stack: Supervisor) -> None:
 
 # -- reports -----------------------------------------------------------------------------------------
 def test_reports_are_batched_and_every_request_is_reported(phase: Phase) -> None:
-    phase.route("ok-a", decision_id=21)
+    phase.route("ok-a")
     for _ in range(30):
         assert phase.post()[0] == 200
-    wait_until(lambda: sum(1 for o in phase.sidecar.outcomes() if "s" in o) == 30)
+    wait_until(lambda: sum(1 for o in phase.sidecar.outcomes() if o["k"] == "end") == 30)
+    ends = {o["i"] for o in phase.sidecar.outcomes() if o["k"] == "end"}
+    assert ends == {m["i"] for m in phase.sidecar.decides()}  # one end per decision
     reports = phase.sidecar.reports()
     assert len(reports) < 30  # one line carries many outcomes (flushed every 100 ms)
     assert max(len(r["o"]) for r in reports) > 1

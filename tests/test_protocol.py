@@ -19,6 +19,7 @@ from kvgate.protocol import (
     ModelsQuery,
     ModelsReply,
     Outcome,
+    OutcomeKind,
     PeersQuery,
     PeersReply,
     ProtocolError,
@@ -33,7 +34,8 @@ def features(d: dict[str, Any]) -> Features:
 
 
 def outcome(d: dict[str, Any]) -> Outcome:
-    return Outcome(d["decision_id"], d["backend"], d["status"], d["ttft"], d["sent"], d["first_byte"])
+    kind = OutcomeKind(d["kind"])
+    return Outcome(kind, d["decision_id"], d["backend"], d["status"], d["sent"], d["ttft"], d["duration"])
 
 
 def reply(d: dict[str, Any]) -> object:
@@ -54,8 +56,8 @@ def test_golden_version_is_the_protocol_version() -> None:
 @pytest.mark.parametrize("case", GOLDEN["decide"], ids=lambda c: str(c["features"]["key_source"]))
 def test_decide_messages_encode_and_decode_as_golden(case: dict[str, Any]) -> None:
     f = features(case["features"])
-    assert protocol.encode_message(Decide(f)) == case["wire"]
-    assert protocol.decode_message(protocol.line(case["wire"])) == Decide(f)
+    assert protocol.encode_message(Decide(case["id"], f)) == case["wire"]
+    assert protocol.decode_message(protocol.line(case["wire"])) == Decide(case["id"], f)
 
 
 @pytest.mark.parametrize("case", GOLDEN["report"])
@@ -83,17 +85,21 @@ def test_replies_encode_and_decode_as_golden(case: dict[str, Any]) -> None:
     "raw, code",
     [
         (b'{"op":"peers"}', ErrorCode.PROTOCOL_VERSION),
-        (b'{"pv":2,"op":"peers"}', ErrorCode.PROTOCOL_VERSION),
-        (b'{"pv":1,"op":"nope"}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":1,"op":"peers"}', ErrorCode.PROTOCOL_VERSION),
+        (b'{"pv":2,"op":"nope"}', ErrorCode.BAD_REQUEST),
         (b"[1,2]", ErrorCode.BAD_REQUEST),
         (b"\xff\xfe", ErrorCode.BAD_REQUEST),
-        (b'{"pv":1,"op":"decide","f":{"k":"h:\xed\xa0\x80"}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":1,"op":"decide","f":{"k":"h:\\udfff"}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":1,"op":"decide","f":{"b":NaN}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":1,"op":"decide","f":{"b":1e400}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":1,"op":"decide","f":{"h":"not a list"}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":1,"op":"decide","f":[]}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":1,"op":"report","o":[{"i":"x"}]}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":2,"op":"decide","i":"a","f":{"k":"h:\xed\xa0\x80"}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":2,"op":"decide","i":"a","f":{"k":"h:\\udfff"}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":2,"op":"decide","i":"a","f":{"b":NaN}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":2,"op":"decide","i":"a","f":{"b":1e400}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":2,"op":"decide","i":"a","f":{"h":"not a list"}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":2,"op":"decide","i":"a","f":[]}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":2,"op":"decide","f":{}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":2,"op":"decide","i":5,"f":{}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":2,"op":"report","o":[{"k":"end","i":7}]}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":2,"op":"report","o":[{"k":"sideways"}]}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":2,"op":"report","o":[{"k":"drop"}]}', ErrorCode.BAD_REQUEST),
     ],
 )
 def test_lines_that_are_not_messages_are_refused_with_a_code(raw: bytes, code: ErrorCode) -> None:
@@ -113,5 +119,5 @@ def test_a_refused_report_is_not_answered() -> None:
 
 
 def test_an_empty_table_from_lua_reads_as_no_hashes() -> None:
-    msg = protocol.decode_message(b'{"pv":1,"op":"decide","f":{"ks":"none","b":0,"h":{}}}')
+    msg = protocol.decode_message(b'{"pv":2,"op":"decide","i":"x.1","f":{"ks":"none","b":0,"h":{}}}')
     assert isinstance(msg, Decide) and msg.features.hashes == ()

@@ -155,13 +155,31 @@ def test_inflight_counts_rise_with_decisions_and_end_with_reports() -> None:
         sc = core(config(None), None)
         routed = [await sc.service.decide(features(i)) for i in range(12)]
         assert sum(sc.registry.inflight.values()) == 12 and sum(sc.registry.inflight_tokens.values()) > 0
-        sc.service.report([Outcome(r.decision_id, r.candidates[0].id, 0, None, False, True) for r in routed])
+        sc.service.report([Outcome.first(r.decision_id, r.candidates[0].id) for r in routed])
         assert sum(sc.registry.inflight_tokens.values()) == 0  # first bytes: prefill done
         assert sum(sc.registry.inflight.values()) == 12
-        sc.service.report([Outcome(r.decision_id, r.candidates[0].id, 200, 0.1, True) for r in routed])
-        assert sum(sc.registry.inflight.values()) == 0
-        sc.service.report([Outcome(r.decision_id, r.candidates[0].id, 200, 0.1, True) for r in routed])
+        sc.service.report(
+            [Outcome.end(r.decision_id, r.candidates[0].id, 200, True, 0.1, 0.5) for r in routed]
+        )
+        assert sum(sc.registry.inflight.values()) == 0 and sc.registry.inflight_total() == 0
+        sc.service.report(
+            [Outcome.end(r.decision_id, r.candidates[0].id, 200, True, 0.1, 0.5) for r in routed]
+        )
         assert all(v == 0 for v in sc.registry.inflight.values())  # a second report changes nothing
+
+
+def test_a_drop_ends_a_decision_even_when_it_overtakes_the_decision() -> None:
+    async def scenario() -> None:
+        sc = core(config(None), None)
+        counted = await sc.service.decide(features(1), "gw.1")
+        sc.service.report([Outcome.drop("gw.1")])
+        assert sc.registry.inflight_total() == 0 and sum(sc.registry.inflight.values()) == 0
+        sc.service.report([Outcome.drop("gw.2")])  # Nginx gave up before the sidecar saw the request
+        late = await sc.service.decide(features(2), "gw.2")
+        assert late.candidates and sc.registry.inflight_total() == 0
+        assert sum(sc.registry.inflight.values()) == 0 and counted.decision_id == "gw.1"
+
+    run(scenario())
 
     run(scenario())
 

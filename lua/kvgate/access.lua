@@ -8,19 +8,35 @@ local errors   = require "kvgate.errors"
 local failopen = require "kvgate.failopen"
 local features = require "kvgate.features"
 local protocol = require "kvgate.protocol"
+local reports  = require "kvgate.reports"
 local sidecar  = require "kvgate.sidecar"
+local stats    = require "kvgate.stats"
 local utf8     = require "kvgate.utf8"
 
-local ngx      = ngx
-local ngx_log  = ngx.log
-local ngx_WARN = ngx.WARN
-local io_open  = io.open
-local type     = type
-local ipairs   = ipairs
+local ngx        = ngx
+local ngx_log    = ngx.log
+local ngx_WARN   = ngx.WARN
+local io_open    = io.open
+local type       = type
+local ipairs     = ipairs
+local str_find   = string.find
+local str_format = string.format
 
 local TEXT_FIELDS = { "model", "user" }   -- body fields the gateway reads as text
 
 local _M = {}
+
+-- Decision ids: unique per gateway (worker pid and start time, then a counter), chosen here so that
+-- Nginx can end a decision it will not use without having heard the answer.
+local id_prefix, id_count = nil, 0
+
+local function next_id()
+    if not id_prefix then
+        id_prefix = str_format("%x.%x.", ngx.worker.pid(), ngx.now() * 1000)
+    end
+    id_count = id_count + 1
+    return id_prefix .. id_count
+end
 
 local function read_body()
     ngx.req.read_body()
@@ -55,6 +71,17 @@ local function invalid_text(body, session)
     end
 end
 
+-- Why a decision call failed, as the fail-open counter names it.
+local function failure_reason(err)
+    if str_find(err, "timeout", 1, true) then
+        return "timeout"
+    end
+    if str_find(err, "failed to connect", 1, true) then
+        return "refused"
+    end
+    return "error"
+end
+
 function _M.run()
     local raw, err = read_body()
     if not raw or raw == "" then
@@ -71,8 +98,12 @@ function _M.run()
     end
     local f = features.extract(body, session)
     local ctx = ngx.ctx
+    local id = next_id()
+    -- Reading and decoding a large body leaves Nginx's cached clock behind; the decision's budget
+    -- must start now, not when the request arrived.
+    ngx.update_time()
     local reply, decision, code
-    reply, err = sidecar.decide(f)
+    reply, err = sidecar.decide(id, f)
     if reply then
         decision, err, code = protocol.decision(reply)
     end
@@ -80,9 +111,15 @@ function _M.run()
         return errors.send(404, err, nil, "model")
     end
     if decision and #decision.addrs > 0 then
-        ctx.kv_id = decision.id
+        ctx.kv_id = id
         ctx.kv_ids, ctx.kv_addrs, ctx.kv_route = decision.ids, decision.addrs, decision.route
     else
+        if not code and reply == nil then
+            -- The sidecar may have made (and counted) the decision we did not wait for.
+            reports.push(protocol.drop(id))
+        end
+        local reason = decision and "error" or failure_reason(err or "")
+        stats.incr("m:failopen:", reason)
         ngx_log(ngx_WARN, "kvgate: sidecar decision failed (", err or "no eligible backend",
                 "); routing on the local ring")
         local ids, addrs = failopen.order(f.key)
@@ -92,6 +129,7 @@ function _M.run()
         ctx.kv_ids, ctx.kv_addrs, ctx.kv_route = ids, addrs, "fail-open"
     end
     ctx.kv_tries = 0
+    reports.stash(ctx)
 end
 
 return _M

@@ -9,6 +9,7 @@ local process  = require "ngx.process"
 local protocol = require "kvgate.protocol"
 local reports  = require "kvgate.reports"
 local sidecar  = require "kvgate.sidecar"
+local stats    = require "kvgate.stats"
 
 local ngx     = ngx
 local ngx_log = ngx.log
@@ -43,6 +44,11 @@ end
 function _M.unknown_route()
     return errors.send(404, "Unknown route; kvgate serves /v1/chat/completions, /v1/completions and "
                             .. "/v1/models.")
+end
+
+function _M.metrics()
+    ngx.header["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
+    return ngx.print(stats.prometheus())
 end
 
 function _M.health()

@@ -1,5 +1,5 @@
--- The balancer phase: no I/O is allowed here, so it only applies what access decided, candidate i on
--- the i-th try (Nginx's proxy_next_upstream makes the next try after a failure).
+-- The balancer phase: no I/O is allowed here, so it only applies what access decided: the next
+-- candidate on each call (Nginx's proxy_next_upstream calls again after a failure).
 
 local balancer = require "ngx.balancer"
 
@@ -19,13 +19,18 @@ end
 function _M.run()
     local ctx = ngx.ctx
     local addrs = ctx.kv_addrs
-    local i = ctx.kv_tries + 1
-    if i > #addrs then
-        -- Every candidate failed: Nginx answers 502 (JSON through error_page).
-        return ngx.exit(502)
+    local call = ctx.kv_tries + 1
+    ctx.kv_tries = call
+    -- A failure on a reused keepalive connection does not count as a try, so Nginx may call more
+    -- times than there are candidates: go round the list again instead of failing the request.
+    local i = (call - 1) % #addrs + 1
+    local picks = ctx.kv_picks
+    if not picks then
+        picks = {}
+        ctx.kv_picks = picks
     end
-    ctx.kv_tries = i
-    if i == 1 and #addrs > 1 then
+    picks[call] = i
+    if call == 1 and #addrs > 1 then
         local ok, err = balancer.set_more_tries(#addrs - 1)
         if not ok then
             ngx_log(ngx_ERR, "kvgate: failed to set retries: ", err)
@@ -35,7 +40,7 @@ function _M.run()
     local ok, err = balancer.set_current_peer(host, port)
     if not ok then
         ngx_log(ngx_ERR, "kvgate: failed to set peer ", addrs[i], ": ", err)
-        return ngx.exit(502)
+        return ngx.exit(ngx.ERROR)
     end
 end
 

@@ -4,6 +4,7 @@
 
 local cjson = require "cjson.safe"
 local conf  = require "kvgate.conf"
+local stats = require "kvgate.stats"
 
 local ngx       = ngx
 local ngx_say   = ngx.say
@@ -37,6 +38,7 @@ end
 
 -- Answers the request with the error and ends it.
 function _M.send(status, message, typ, param)
+    stats.incr("m:errors:", status)
     ngx.status = status
     ngx.header["Content-Type"] = "application/json"
     ngx.header["Content-Length"] = nil

@@ -16,9 +16,11 @@ _M.configure     = conf.configure       -- init_by_lua
 _M.access        = access.run
 _M.balancer      = balancer.run
 _M.header_filter = reports.header_filter
+_M.body_filter   = reports.body_filter
 _M.log           = reports.log
 _M.models        = api.models           -- content_by_lua of /v1/models
 _M.health        = api.health           -- content_by_lua of /kvgate/health
+_M.metrics       = api.metrics          -- content_by_lua of /kvgate/metrics
 _M.unknown_route = api.unknown_route    -- content_by_lua of the other /v1/ routes
 _M.error_page    = errors.page          -- content_by_lua of the error_page location
 

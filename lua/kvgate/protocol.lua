@@ -10,7 +10,7 @@ local ngx_now  = ngx.now
 local type     = type
 local tostring = tostring
 
-local VERSION = 1
+local VERSION = 2
 local MISMATCH_LOG_EVERY_S = 10   -- loud, but not once per request
 
 local _M = { VERSION = VERSION }
@@ -19,13 +19,14 @@ local last_mismatch_log = 0
 
 -- Messages to the sidecar ------------------------------------------------------------------------
 
--- f: the table features.extract returns. No hashes: no h (cjson would write an empty table as {}).
-function _M.decide(f)
+-- id: this gateway's name for the decision; f: the table features.extract returns. No hashes: no h
+-- (cjson would write an empty table as {}).
+function _M.decide(id, f)
     local hashes = f.hashes
     if #hashes == 0 then
         hashes = nil
     end
-    return { pv = VERSION, op = "decide",
+    return { pv = VERSION, op = "decide", i = id,
              f = { m = f.model, k = f.key, ks = f.key_source, h = hashes, b = f.prompt_bytes } }
 end
 
@@ -41,14 +42,26 @@ function _M.models()
     return { pv = VERSION, op = "models" }
 end
 
--- One outcome: the response's first byte came back (the backend finished this request's prefill).
-function _M.first_byte(decision_id, backend)
-    return { i = decision_id, b = backend, f = true }
+-- Outcomes (see protocol.py): every decision ends in one "end" or one "drop".
+
+-- The response's first body byte went out: the backend finished this request's prefill.
+function _M.first(id, backend)
+    return { k = "first", i = id, b = backend }
 end
 
--- One outcome: the request ended. ttft may be nil.
-function _M.outcome(decision_id, backend, status, ttft, sent)
-    return { i = decision_id, b = backend, s = status, t = ttft, x = sent }
+-- The request ended. id is nil for a fail-open request; ttft (streams) and duration may be nil.
+function _M.ended(id, backend, status, sent, ttft, duration)
+    return { k = "end", i = id, b = backend, s = status, x = sent, t = ttft, d = duration }
+end
+
+-- An earlier candidate failed before the one that answered.
+function _M.tried(backend, status)
+    return { k = "try", b = backend, s = status }
+end
+
+-- The decision was not used (late answer, fail-open, client gone before dispatch).
+function _M.drop(id)
+    return { k = "drop", i = id }
 end
 
 -- Replies from the sidecar -----------------------------------------------------------------------

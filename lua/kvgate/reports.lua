@@ -1,30 +1,81 @@
 -- Outcome reports: what happened to each routed request goes back to the sidecar, which counts
--- in-flight load and backend health from them. Reports wait in a per-worker buffer that a timer
--- flushes every 100 ms in one line; a response never waits for them.
+-- in-flight load, health and TTFT from them. Every decision ends in exactly one "end" or "drop"
+-- report, whatever path the request takes (see protocol.py). Reports wait in a per-worker buffer that
+-- a timer flushes every 100 ms in one line; a response never waits for them. Reports a worker cannot
+-- send (it is exiting on a reload, or the send failed) go to a list in the shared dict, which the
+-- next flush of any worker sends.
 
+local cjson    = require "cjson.safe"
 local conf     = require "kvgate.conf"
 local protocol = require "kvgate.protocol"
 local sidecar  = require "kvgate.sidecar"
+local stats    = require "kvgate.stats"
 
 local ngx        = ngx
 local ngx_var    = ngx.var
 local ngx_log    = ngx.log
 local ngx_ERR    = ngx.ERR
 local ngx_WARN   = ngx.WARN
+local ngx_now    = ngx.now
 local tonumber   = tonumber
+local tostring   = tostring
+local str_find   = string.find
 local str_gmatch = string.gmatch
 
-local FLUSH_EVERY_S = 0.1    -- outcome reports are flushed in batches this often
-local MAX_PENDING   = 10000  -- bound of one worker's unsent outcomes
+local FLUSH_EVERY_S  = 0.1     -- outcome reports are flushed in batches this often
+local MAX_PENDING    = 10000   -- bound of one worker's unsent outcomes
+local ORPHANS        = "reports:orphaned"
+local MAX_ORPHANS    = 1000    -- batches kept in the shared dict for another worker to send
 
 local _M = {}
 
 local pending, npending = {}, 0
 local dropped = 0
 
-local function push(item)
+-- Requests whose ctx must survive an internal redirect (error_page drops ngx.ctx): the log phase of
+-- the error location finds it again through $kvgate_ref.
+local stash, stash_seq = {}, 0
+
+function _M.stash(ctx)
+    stash_seq = stash_seq + 1
+    local ref = tostring(stash_seq)
+    stash[ref] = ctx
+    ngx_var.kvgate_ref = ref
+end
+
+local function unstash()
+    local ref = ngx_var.kvgate_ref
+    if not ref or ref == "" then
+        return nil
+    end
+    local ctx = stash[ref]
+    stash[ref] = nil
+    return ctx
+end
+
+-- Keeps a batch in the shared dict for the next flush (of this or another worker).
+local function orphan(batch)
+    local encoded = cjson.encode(batch)
+    local dict = ngx.shared[conf.dict]
+    local len, err = dict:rpush(ORPHANS, encoded)
+    if not len then
+        stats.incr("m:lost:", "dict", #batch)
+        ngx_log(ngx_ERR, "kvgate: lost ", #batch, " outcome report(s): ", err)
+    elseif len > MAX_ORPHANS then
+        local old = dict:lpop(ORPHANS)
+        local items = old and cjson.decode(old)
+        stats.incr("m:lost:", "overflow", items and #items or 1)
+    end
+end
+
+function _M.push(item)
+    if ngx.worker.exiting() then
+        -- No timer will run in this worker again: hand the report to the workers that stay.
+        return orphan({ item })
+    end
     if npending >= MAX_PENDING then
         dropped = dropped + 1
+        stats.incr("m:lost:", "buffer")
         return
     end
     npending = npending + 1
@@ -37,14 +88,34 @@ function _M.dropped()
 end
 
 local function flush(premature)
-    if npending == 0 then
+    local dict = ngx.shared[conf.dict]
+    local batch = pending
+    if npending > 0 then
+        pending, npending = {}, 0
+    else
+        batch = {}
+    end
+    -- Send orphaned reports too, a bounded number per flush.
+    for _ = 1, 10 do
+        local raw = dict:lpop(ORPHANS)
+        local items = raw and cjson.decode(raw)
+        if not items then
+            break
+        end
+        for i = 1, #items do
+            batch[#batch + 1] = items[i]
+        end
+    end
+    if #batch == 0 then
         return
     end
-    local batch = pending
-    pending, npending = {}, 0
+    if premature then
+        return orphan(batch)   -- the worker is exiting: another one sends them
+    end
     local ok, err = sidecar.report(batch)
-    if not ok and not premature then
-        ngx_log(ngx_WARN, "kvgate: dropped ", #batch, " outcome report(s): ", err)
+    if not ok then
+        ngx_log(ngx_WARN, "kvgate: could not send ", #batch, " outcome report(s), keeping them: ", err)
+        orphan(batch)
     end
 end
 
@@ -55,52 +126,70 @@ function _M.init_worker()
     end
 end
 
--- header_filter: route headers, and the first-byte report. A streamed response starts when the first
--- token exists: the backend's prefill for this request is done, which frees its share of the
--- sidecar's prefill-queue estimate right away.
+-- header_filter: the route headers, and whether the response is a stream.
 function _M.header_filter()
     local ctx = ngx.ctx
     local tries = ctx.kv_tries
     if not tries or tries == 0 then
         return
     end
-    local backend = ctx.kv_ids[tries]
     if conf.route_headers then
-        ngx.header["X-Kvgate-Backend"] = backend
+        ngx.header["X-Kvgate-Backend"] = ctx.kv_ids[ctx.kv_picks[tries]]
         ngx.header["X-Kvgate-Route"] = ctx.kv_route
     end
-    if ctx.kv_id then
-        push(protocol.first_byte(ctx.kv_id, backend))
-    end
+    local ctype = ngx.header["Content-Type"]
+    ctx.kv_stream = ctype ~= nil and str_find(ctype, "text/event-stream", 1, true) ~= nil
 end
 
-local function last_number(list)
-    local last
-    if list then
-        for v in str_gmatch(list, "[^,%s]+") do
-            last = v
-        end
-    end
-    return tonumber(last)
-end
-
--- log: the final outcome, and the candidates that failed before the one that answered.
-function _M.log()
+-- body_filter: marks the first body byte and does nothing else on later chunks. For a stream the
+-- first byte is the first token (vLLM sends the headers before prefill, the first event after it), so
+-- the sidecar stops counting the request in its backend's prefill queue, and this is its TTFT.
+function _M.body_filter()
     local ctx = ngx.ctx
-    local ids, tries = ctx.kv_ids, ctx.kv_tries
-    if not ids or not tries or tries == 0 then
+    if ctx.kv_first or not ctx.kv_tries or ctx.kv_tries == 0 or ngx.arg[1] == "" then
         return
     end
-    local statuses = {}
-    for v in str_gmatch(ngx_var.upstream_status or "", "[^,%s]+") do
-        statuses[#statuses + 1] = tonumber(v) or 0
+    ngx.update_time()
+    ctx.kv_first = ngx_now() - ngx.req.start_time()
+    if ctx.kv_id then
+        _M.push(protocol.first(ctx.kv_id, ctx.kv_ids[ctx.kv_picks[ctx.kv_tries]]))
     end
+end
+
+-- log: the decision's one final outcome, and the candidates that failed before the one that answered.
+function _M.log()
+    local ctx = ngx.ctx
+    if not ctx.kv_ids then
+        ctx = unstash()   -- an internal redirect (error_page) dropped ngx.ctx
+        if not ctx then
+            return
+        end
+    else
+        unstash()
+    end
+    local tries = ctx.kv_tries or 0
+    if tries == 0 then
+        -- The client went away before the request reached a backend.
+        if ctx.kv_id then
+            _M.push(protocol.drop(ctx.kv_id))
+        end
+        return
+    end
+    -- One status per attempt; "-" where none came back (the client went away first): nil here.
+    local statuses, n = {}, 0
+    for v in str_gmatch(ngx_var.upstream_status or "", "[^,:%s]+") do
+        n = n + 1
+        statuses[n] = tonumber(v)
+    end
+    local ids, picks = ctx.kv_ids, ctx.kv_picks
     for t = 1, tries - 1 do
-        push(protocol.outcome(0, ids[t], statuses[t] or 0, nil, false))
+        _M.push(protocol.tried(ids[picks[t]], statuses[t] or 0))
     end
-    push(protocol.outcome(ctx.kv_id or 0, ids[tries], statuses[tries] or tonumber(ngx_var.status) or 0,
-                          last_number(ngx_var.upstream_header_time),
-                          (tonumber(ngx_var.body_bytes_sent) or 0) > 0))
+    local status = statuses[tries] or tonumber(ngx_var.status) or 0
+    local sent = (tonumber(ngx_var.body_bytes_sent) or 0) > 0
+    local duration = ngx_now() - ngx.req.start_time()
+    _M.push(protocol.ended(ctx.kv_id, ids[picks[tries]], status, sent,
+                           ctx.kv_stream and ctx.kv_first or nil, duration))
 end
 
 return _M

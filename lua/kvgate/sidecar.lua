@@ -58,8 +58,8 @@ local function call(msg, want_reply, timeout_ms)
     return reply
 end
 
-function _M.decide(features)
-    return call(protocol.decide(features), true, conf.timeout_ms)
+function _M.decide(id, features)
+    return call(protocol.decide(id, features), true, conf.timeout_ms)
 end
 
 function _M.peers()

@@ -57,7 +57,7 @@ class DecisionServer:
     async def handle(self, msg: Message) -> Reply | None:
         if isinstance(msg, Decide):
             try:
-                routed = await self.service.decide(msg.features)
+                routed = await self.service.decide(msg.features, msg.decision_id)
             except UnknownModel as exc:
                 return ErrorReply(ErrorCode.UNKNOWN_MODEL, f"The model `{exc}` does not exist.")
             return DecisionReply(routed.decision_id, routed.candidates, routed.decision.label)

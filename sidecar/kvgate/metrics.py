@@ -5,6 +5,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+# 10 ms to 60 s in steps of about 1.5x: fine enough to tell a cache hit from a miss at any load.
+LATENCY_BUCKETS = (
+    0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+    7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+)  # fmt: skip
 
 
 class SidecarMetrics:
@@ -54,7 +59,20 @@ class SidecarMetrics:
         )
         self.ttft = Histogram(
             "kvgate_gateway_ttft_seconds",
-            "Time to first byte from upstream, per Nginx.",
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            "Streams: time from the request's arrival at Nginx to the first body byte sent back.",
+            ["backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvgate_gateway_e2e_seconds",
+            "Non-streaming requests: time from arrival at Nginx to the end of the response.",
+            ["backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.dropped = Counter(
+            "kvgate_decisions_dropped",
+            "Decisions Nginx did not use (late answer, fail-open, client gone before dispatch).",
             registry=r,
         )

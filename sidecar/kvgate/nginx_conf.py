@@ -38,6 +38,7 @@ class NginxSettings:
     max_tries: int = 3
     retry_deadline: str = "10s"
     connect_timeout: str = "2s"
+    upstream_keepalive_timeout: str = "4s"  # below the backends' idle close (vLLM: 5 s)
     read_timeout: str = "600s"
     client_max_body_size: str = "16m"
     client_body_buffer_size: str = "4m"
@@ -86,6 +87,7 @@ def render(
         "max_tries": str(settings.max_tries),
         "retry_deadline": settings.retry_deadline,
         "connect_timeout": settings.connect_timeout,
+        "upstream_keepalive_timeout": settings.upstream_keepalive_timeout,
         "read_timeout": settings.read_timeout,
         "client_max_body_size": settings.client_max_body_size,
         "client_body_buffer_size": settings.client_body_buffer_size,

@@ -8,20 +8,29 @@ both sides log it loudly, so a Lua and a sidecar from different releases never m
 Lua -> sidecar (decide, peers and models are answered with one line; report is not, so the log phase
 never waits)::
 
-    {"pv":1,"op":"decide","f":{"m":model,"k":key,"ks":key source,"h":[chunk hash,...],"b":prompt bytes}}
-    {"pv":1,"op":"report","o":[outcome,...]}
-    {"pv":1,"op":"peers"}
-    {"pv":1,"op":"models"}
+    {"pv":2,"op":"decide","i":id,"f":{"m":model,"k":key,"ks":key source,"h":[chunk hash,...],"b":bytes}}
+    {"pv":2,"op":"report","o":[outcome,...]}
+    {"pv":2,"op":"peers"}
+    {"pv":2,"op":"models"}
 
 sidecar -> Lua::
 
-    {"pv":1,"i":decision id,"c":[[backend id,"host:port"],...],"r":route label}   a decision
-    {"pv":1,"e":error code,"msg":text}                                            an error
-    {"pv":1,"v":peers version,"peers":[{"id":backend id,"addr":"host:port"},...]}
-    {"pv":1,"data":[model card,...]}
+    {"pv":2,"i":id,"c":[[backend id,"host:port"],...],"r":route label}   a decision
+    {"pv":2,"e":error code,"msg":text}                                   an error
+    {"pv":2,"v":peers version,"peers":[{"id":backend id,"addr":"host:port"},...]}
+    {"pv":2,"data":[model card,...]}
 
-An outcome is ``{"i":id,"b":backend,"s":status,"t":ttft seconds,"x":bytes sent}``, or
-``{"i":id,"b":backend,"f":true}`` when the response's first byte came back.
+Nginx names each decision (``i``, unique per gateway) before asking, so it can end a decision it will
+not use (a late answer, fail-open, a client gone before dispatch) without having heard the answer.
+Every decision ends in exactly one outcome of kind ``end`` or ``drop``; ``first`` marks its first
+response byte and ``try`` a failed attempt on an earlier candidate::
+
+    {"k":"first","i":id,"b":backend}
+    {"k":"end","i":id,"b":backend,"s":status,"x":bytes sent,"t":ttft s (streams),"d":duration s}
+    {"k":"try","b":backend,"s":status}
+    {"k":"drop","i":id}
+
+A fail-open request has no decision: its ``end`` carries no ``i``.
 """
 
 from __future__ import annotations
@@ -34,7 +43,8 @@ from typing import Any, NamedTuple
 
 from kvgate.features import Features
 
-VERSION = 1
+VERSION = 2
+MAX_ID = 64  # decision ids are Nginx's: worker, start time and a counter
 
 
 class ErrorCode(str, Enum):
@@ -62,19 +72,52 @@ class Candidate(NamedTuple):
     address: str  # host:port, what Nginx's balancer needs
 
 
+class OutcomeKind(str, Enum):
+    FIRST = "first"  # the response's first body byte came back: the request's prefill is done
+    END = "end"  # the request ended (the decision's one final report)
+    TRY = "try"  # an earlier candidate failed before the one that answered
+    DROP = "drop"  # Nginx did not use the decision (late answer, fail-open, client gone first)
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    decision_id: int
-    backend: str
-    status: int  # 0 when no response came back (connection failure)
-    ttft: float | None
-    sent: bool  # whether response bytes reached the client
-    first_byte: bool = False  # an early report: the response started, its prefill is done
+    kind: OutcomeKind
+    decision_id: str | None = None  # None for tries and for fail-open requests
+    backend: str = ""
+    status: int = 0  # 0 when no response came back (connection failure)
+    sent: bool = False  # whether response bytes reached the client
+    ttft: float | None = None  # streams: first body byte, seconds from the request's start
+    duration: float | None = None  # seconds from the request's start to its end
+
+    @classmethod
+    def first(cls, decision_id: str, backend: str) -> Outcome:
+        return cls(OutcomeKind.FIRST, decision_id, backend)
+
+    @classmethod
+    def end(
+        cls,
+        decision_id: str | None,
+        backend: str,
+        status: int,
+        sent: bool = True,
+        ttft: float | None = None,
+        duration: float | None = None,
+    ) -> Outcome:
+        return cls(OutcomeKind.END, decision_id, backend, status, sent, ttft, duration)
+
+    @classmethod
+    def tried(cls, backend: str, status: int) -> Outcome:
+        return cls(OutcomeKind.TRY, None, backend, status)
+
+    @classmethod
+    def drop(cls, decision_id: str) -> Outcome:
+        return cls(OutcomeKind.DROP, decision_id)
 
 
 # -- messages Lua sends --------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Decide:
+    decision_id: str
     features: Features
 
 
@@ -99,7 +142,7 @@ Message = Decide | Report | PeersQuery | ModelsQuery
 # -- replies the sidecar sends -------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class DecisionReply:
-    decision_id: int
+    decision_id: str
     candidates: tuple[Candidate, ...]  # primary first; empty when no backend is eligible
     route: str  # the display label Nginx puts in X-Kvgate-Route
 
@@ -125,6 +168,18 @@ Reply = DecisionReply | ErrorReply | PeersReply | ModelsReply
 
 
 # -- decoding ------------------------------------------------------------------------------------
+def _id(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_ID:
+        raise ValueError(f"{name} must be a decision id (a string of 1..{MAX_ID} characters)")
+    return value
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1e9:
+        return None  # absent, or not a duration (NaN, negative, absurd)
+    return float(value)
+
+
 def _int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
         raise ValueError(f"{name} must be a number")
@@ -168,17 +223,21 @@ def decode_features(d: Any) -> Features:
 def decode_outcome(d: Any) -> Outcome:
     if not isinstance(d, Mapping):
         raise ValueError("an outcome must be an object")
-    decision_id = _int(d.get("i") or 0, "i")
+    try:
+        kind = OutcomeKind(d.get("k"))
+    except ValueError:
+        raise ValueError(f"unknown outcome kind {d.get('k')!r}") from None
+    if kind is OutcomeKind.DROP:
+        return Outcome.drop(_id(d.get("i"), "i"))
     backend = _text(d.get("b"), "b") or ""
-    if d.get("f"):
-        return Outcome(decision_id, backend, 0, None, False, first_byte=True)
-    ttft = d.get("t")
-    return Outcome(
-        decision_id,
-        backend,
-        _int(d.get("s") or 0, "s"),
-        float(ttft) if isinstance(ttft, int | float) and not isinstance(ttft, bool) else None,
-        bool(d.get("x")),
+    if kind is OutcomeKind.FIRST:
+        return Outcome.first(_id(d.get("i"), "i"), backend)
+    status = _int(d.get("s") or 0, "s")
+    if kind is OutcomeKind.TRY:
+        return Outcome.tried(backend, status)
+    decision_id = None if d.get("i") is None else _id(d.get("i"), "i")
+    return Outcome.end(
+        decision_id, backend, status, bool(d.get("x")), _seconds(d.get("t")), _seconds(d.get("d"))
     )
 
 
@@ -199,7 +258,7 @@ def decode_message(line: bytes) -> Message:
         )
     try:
         if op == "decide":
-            return Decide(decode_features(msg.get("f")))
+            return Decide(_id(msg.get("i"), "i"), decode_features(msg.get("f")))
         if op == "report":
             items = msg.get("o")
             if not isinstance(items, list):
@@ -228,18 +287,29 @@ def encode_features(f: Features) -> dict[str, Any]:
 
 
 def encode_outcome(o: Outcome) -> dict[str, Any]:
-    if o.first_byte:
-        return {"i": o.decision_id, "b": o.backend, "f": True}
-    out: dict[str, Any] = {"i": o.decision_id, "b": o.backend, "s": o.status, "x": o.sent}
+    out: dict[str, Any] = {"k": o.kind.value}
+    if o.decision_id is not None:
+        out["i"] = o.decision_id
+    if o.kind is OutcomeKind.DROP:
+        return out
+    out["b"] = o.backend
+    if o.kind is OutcomeKind.FIRST:
+        return out
+    out["s"] = o.status
+    if o.kind is OutcomeKind.TRY:
+        return out
+    out["x"] = o.sent
     if o.ttft is not None:
         out["t"] = o.ttft
+    if o.duration is not None:
+        out["d"] = o.duration
     return out
 
 
 def encode_message(msg: Message) -> dict[str, Any]:
     """What Lua sends, for tools and tests that speak to the sidecar as Nginx does."""
     if isinstance(msg, Decide):
-        return {"pv": VERSION, "op": "decide", "f": encode_features(msg.features)}
+        return {"pv": VERSION, "op": "decide", "i": msg.decision_id, "f": encode_features(msg.features)}
     if isinstance(msg, Report):
         return {"pv": VERSION, "op": "report", "o": [encode_outcome(o) for o in msg.outcomes]}
     if isinstance(msg, PeersQuery):
@@ -274,7 +344,7 @@ def decode_reply(d: Mapping[str, Any]) -> Reply:
         return ErrorReply(ErrorCode(d["e"]), str(d.get("msg", "")))
     if "c" in d:
         pairs: Sequence[Sequence[str]] = d["c"]
-        return DecisionReply(int(d["i"]), tuple(Candidate(a, b) for a, b in pairs), str(d["r"]))
+        return DecisionReply(str(d["i"]), tuple(Candidate(a, b) for a, b in pairs), str(d["r"]))
     if "peers" in d:
         return PeersReply(int(d["v"]), tuple(Candidate(p["id"], p["addr"]) for p in d["peers"]))
     return ModelsReply(tuple(d["data"]))

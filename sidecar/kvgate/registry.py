@@ -21,6 +21,8 @@ from kvgate.ring import Ring
 
 logger = logging.getLogger(__name__)
 INFLIGHT_EXPIRY_S = 600.0  # a decision never reported (gateway crash) stops counting after this
+DROP_MEMORY_S = 10.0  # a drop that overtook its decision keeps that decision from counting
+DROP_MEMORY_MAX = 100_000
 
 
 @dataclass(slots=True)
@@ -62,7 +64,8 @@ class Registry:
     peers_version: int = 0
     _eligible_key: tuple[str, ...] = ()
     _weights: dict[str, float] = field(default_factory=dict)
-    _inflight: dict[int, _Inflight] = field(default_factory=dict)
+    _inflight: dict[str, _Inflight] = field(default_factory=dict)
+    _dropped: dict[str, float] = field(default_factory=dict)  # decision id -> when its drop came
     inflight: dict[str, int] = field(default_factory=dict)  # backend -> requests routed, not reported
     inflight_tokens: dict[str, int] = field(default_factory=dict)  # backend -> their uncached tokens
     _generation: int = 0  # bumped when cached snapshots must be rebuilt
@@ -197,14 +200,17 @@ class Registry:
         return self.backends[bid].address
 
     # -- in-flight accounting -------------------------------------------------------------------------
-    def start(self, decision_id: int, bid: str, tokens: int, now: float) -> None:
-        if bid not in self.backends:
-            return
+    def start(self, decision_id: str, bid: str, tokens: int, now: float) -> bool:
+        """Count a decision in flight on ``bid`` with ``tokens`` uncached prompt tokens; False when
+        Nginx dropped it already (its drop report overtook the decision)."""
+        if self._dropped.pop(decision_id, None) is not None or bid not in self.backends:
+            return False
         self.inflight[bid] = self.inflight.get(bid, 0) + 1
         self.inflight_tokens[bid] = self.inflight_tokens.get(bid, 0) + tokens
         self._inflight[decision_id] = _Inflight(bid, tokens, now)
+        return True
 
-    def finish(self, decision_id: int) -> None:
+    def finish(self, decision_id: str) -> None:
         entry = self._inflight.pop(decision_id, None)
         if entry is None:
             return
@@ -213,7 +219,16 @@ class Registry:
             self.inflight[b] = max(0, self.inflight[b] - 1)
             self.inflight_tokens[b] = max(0, self.inflight_tokens.get(b, 0) - entry.tokens)
 
-    def prefill_done(self, decision_id: int) -> None:
+    def drop(self, decision_id: str, now: float) -> None:
+        """Nginx will not use this decision: stop counting it, or never start if it comes later."""
+        if decision_id in self._inflight:
+            self.finish(decision_id)
+            return
+        self._dropped[decision_id] = now
+        if len(self._dropped) > DROP_MEMORY_MAX:
+            del self._dropped[next(iter(self._dropped))]
+
+    def prefill_done(self, decision_id: str) -> None:
         """The first byte came back: this request no longer waits for prefill."""
         entry = self._inflight.get(decision_id)
         if entry is None or entry.tokens == 0:
@@ -225,6 +240,11 @@ class Registry:
     def expire_inflight(self, now: float) -> None:
         for did in [d for d, e in self._inflight.items() if now - e.at > INFLIGHT_EXPIRY_S]:
             self.finish(did)
+        for did in [d for d, at in self._dropped.items() if now - at > DROP_MEMORY_S]:
+            del self._dropped[did]
+
+    def inflight_total(self) -> int:
+        return len(self._inflight)
 
     def outcome(self, bid: str, status: int, ttft: float | None) -> None:
         s = self.backends.get(bid)

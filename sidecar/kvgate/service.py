@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from kvgate.features import Features
 from kvgate.metrics import SidecarMetrics
 from kvgate.policies import Decision, Request, SessionAction, Snapshot, decide, uncached_tokens
 from kvgate.prefix_index import PrefixIndex
-from kvgate.protocol import Candidate, Outcome
+from kvgate.protocol import Candidate, Outcome, OutcomeKind
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
 
@@ -36,7 +37,7 @@ class UnknownModel(Exception):
 class Routed:
     """One decision as the service made it: the policy's choice with the backends' addresses."""
 
-    decision_id: int
+    decision_id: str
     policy: PolicyName
     decision: Decision
     candidates: tuple[Candidate, ...]
@@ -63,12 +64,15 @@ class DecisionService:
         r = self.config.routing
         return r.per_model.get(model, r.policy) if model else r.policy
 
-    async def decide(self, f: Features) -> Routed:
+    async def decide(self, f: Features, decision_id: str | None = None) -> Routed:
+        """Route one request. ``decision_id`` is Nginx's name for it (its outcome reports use it);
+        callers that have none get one from the sidecar."""
         t0 = time.perf_counter()
         if f.model is not None and self.registry.serves(f.model) is False:
             self.metrics.unknown_model.inc()
             raise UnknownModel(f.model)
         seq = next(self._seq)
+        did = decision_id if decision_id is not None else f"s{seq}"
         policy = self.policy_for(f.model)
         snap = self.registry.snapshot(f.model)
         limit = self.config.routing.max_candidates
@@ -84,21 +88,21 @@ class DecisionService:
         decision = decide(policy, req, snap, limit)
         if not decision.candidates:
             self.metrics.no_backend.inc()
-            return Routed(seq, policy, decision, ())
+            return Routed(did, policy, decision, ())
         if keyed and f.key:
             decision = await self._settle_session(f.key, decision, req, snap, policy)
         primary = decision.candidates[0]
         if f.hashes and uses_index:
             self.index.record(f.hashes, primary)
-        self.registry.start(seq, primary, uncached_tokens(f, depth.get(primary, 0)), time.monotonic())
+        self.registry.start(did, primary, uncached_tokens(f, depth.get(primary, 0)), time.monotonic())
         self.metrics.decisions.labels(policy.value, decision.label).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         routed = Routed(
-            seq, policy, decision, tuple(Candidate(b, self.registry.address(b)) for b in decision.candidates)
+            did, policy, decision, tuple(Candidate(b, self.registry.address(b)) for b in decision.candidates)
         )
         self.recent.append(
             {
-                "id": seq,
+                "id": did,
                 "policy": policy.value,
                 "route": decision.label,
                 "candidates": list(decision.candidates),
@@ -141,17 +145,27 @@ class DecisionService:
         await self.sessions.rebind(key, again.candidates[0])
         return again
 
-    def report(self, outcomes: tuple[Outcome, ...] | list[Outcome]) -> None:
+    def report(self, outcomes: Iterable[Outcome]) -> None:
+        now = time.monotonic()
         for o in outcomes:
-            if o.first_byte:
+            if o.kind is OutcomeKind.FIRST:
+                assert o.decision_id is not None
                 self.registry.prefill_done(o.decision_id)
                 continue
-            self.registry.finish(o.decision_id)
+            if o.kind is OutcomeKind.DROP:
+                assert o.decision_id is not None
+                self.registry.drop(o.decision_id, now)
+                self.metrics.dropped.inc()
+                continue
+            if o.decision_id is not None:
+                self.registry.finish(o.decision_id)
             if not o.backend:
                 continue
             self.registry.outcome(o.backend, o.status, o.ttft)
             self.metrics.outcomes.labels(o.backend, str(o.status)).inc()
             if o.ttft is not None:
-                self.metrics.ttft.observe(o.ttft)
+                self.metrics.ttft.labels(o.backend).observe(o.ttft)
+            elif o.duration is not None and o.kind is OutcomeKind.END:
+                self.metrics.e2e.labels(o.backend).observe(o.duration)
             if o.status in (0, 502, 504) and not o.sent:
                 self.registry.failure(o.backend, f"gateway saw status {o.status}")

@@ -39,16 +39,22 @@ local function run_protocol()
     local out = { version = protocol.VERSION, decide = {}, report = {}, replies = {} }
     for i, case in ipairs(g.decide) do
         local f = case.features
-        out.decide[i] = protocol.decide({ model = nn(f.model), key = nn(f.key), key_source = f.key_source,
-                                          hashes = f.hashes, prompt_bytes = f.prompt_bytes })
+        out.decide[i] = protocol.decide(case.id, { model = nn(f.model), key = nn(f.key),
+                                                   key_source = f.key_source, hashes = f.hashes,
+                                                   prompt_bytes = f.prompt_bytes })
     end
     for i, case in ipairs(g.report) do
         local items = {}
         for j, o in ipairs(case.outcomes) do
-            if o.first_byte then
-                items[j] = protocol.first_byte(o.decision_id, o.backend)
+            if o.kind == "first" then
+                items[j] = protocol.first(o.decision_id, o.backend)
+            elseif o.kind == "end" then
+                items[j] = protocol.ended(nn(o.decision_id), o.backend, o.status, o.sent, nn(o.ttft),
+                                          nn(o.duration))
+            elseif o.kind == "try" then
+                items[j] = protocol.tried(o.backend, o.status)
             else
-                items[j] = protocol.outcome(o.decision_id, o.backend, o.status, nn(o.ttft), o.sent)
+                items[j] = protocol.drop(o.decision_id)
             end
         end
         out.report[i] = protocol.report(items)

@@ -40,18 +40,20 @@ FEATURES = [
     Features("m", "u:héllo ✓", "user", ("aaaaaaaaaaaaaaaa",), 700),
 ]
 OUTCOMES = [
-    (Outcome(7, "sim-1", 0, None, False, first_byte=True),),
-    (Outcome(7, "sim-1", 200, 0.25, True), Outcome(0, "sim-0", 502, None, False)),
-    (Outcome(9, "sim-2", 504, None, False),),
+    (Outcome.first("1a2b.5f3c.7", "sim-1"),),
+    (Outcome.tried("sim-0", 502), Outcome.end("1a2b.5f3c.7", "sim-1", 200, True, 0.25, 1.5)),
+    (Outcome.end("1a2b.5f3c.9", "sim-2", 504, False, None, 1.0),),
+    (Outcome.end(None, "sim-2", 200, True, None, 0.125),),  # fail-open: no decision
+    (Outcome.drop("1a2b.5f3c.8"),),
 ]
 REPLIES = [
     DecisionReply(
-        42,
+        "1a2b.5f3c.42",
         (Candidate("sim-1", "127.0.0.1:8002"), Candidate("sim-0", "127.0.0.1:8001")),
         "prefix",
     ),
-    DecisionReply(43, (Candidate("vllm-a", "10.0.0.5:8000"),), "load/rebind-saturated"),
-    DecisionReply(44, (), "no_backend"),
+    DecisionReply("1a2b.5f3c.43", (Candidate("vllm-a", "10.0.0.5:8000"),), "load/rebind-saturated"),
+    DecisionReply("1a2b.5f3c.44", (), "no_backend"),
     ErrorReply(ErrorCode.UNKNOWN_MODEL, "The model `x` does not exist."),
     ErrorReply(ErrorCode.PROTOCOL_VERSION, "protocol version mismatch"),
     PeersReply(3, (Candidate("sim-0", "127.0.0.1:8001"), Candidate("sim-1", "127.0.0.1:8002"))),
@@ -71,12 +73,13 @@ def features(f: Features) -> dict[str, object]:
 
 def outcome(o: Outcome) -> dict[str, object]:
     return {
+        "kind": o.kind.value,
         "decision_id": o.decision_id,
         "backend": o.backend,
         "status": o.status,
-        "ttft": o.ttft,
         "sent": o.sent,
-        "first_byte": o.first_byte,
+        "ttft": o.ttft,
+        "duration": o.duration,
     }
 
 
@@ -99,7 +102,14 @@ def reply(r: object) -> dict[str, object]:
 def main() -> None:
     out = {
         "version": protocol.VERSION,
-        "decide": [{"features": features(f), "wire": protocol.encode_message(Decide(f))} for f in FEATURES],
+        "decide": [
+            {
+                "id": f"1a2b.5f3c.{i}",
+                "features": features(f),
+                "wire": protocol.encode_message(Decide(f"1a2b.5f3c.{i}", f)),
+            }
+            for i, f in enumerate(FEATURES)
+        ],
         "report": [
             {"outcomes": [outcome(o) for o in batch], "wire": protocol.encode_message(Report(batch))}
             for batch in OUTCOMES

@@ -6,6 +6,7 @@ with it as Nginx sees them, and tests drive the sidecar through it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from kvgate.protocol import Decide, DecisionReply, Message, Outcome, Reply, Repo
 
 class DecisionClient:
     def __init__(self, path: str | Path, timeout: float = 5.0) -> None:
+        self._ids = itertools.count(1)
         self.sock = socket.socket(socket.AF_UNIX)
         self.sock.settimeout(timeout)
         self.sock.connect(str(path))
@@ -38,8 +40,11 @@ class DecisionClient:
     def decode(raw: Mapping[str, Any]) -> Reply:
         return protocol.decode_reply(raw)
 
+    def next_id(self) -> str:
+        return f"client-{id(self):x}-{next(self._ids)}"
+
     def decide(self, f: Features) -> Reply:
-        reply = self.call(Decide(f))
+        reply = self.call(Decide(self.next_id(), f))
         assert reply is not None
         return reply
 
@@ -52,7 +57,7 @@ class DecisionClient:
 
     def finish(self, decision: DecisionReply, status: int = 200) -> None:
         """Report a decision's request as finished (what the log phase sends)."""
-        self.call(Report((Outcome(decision.decision_id, decision.candidates[0].id, status, None, True),)))
+        self.call(Report((Outcome.end(decision.decision_id, decision.candidates[0].id, status),)))
 
     def close(self) -> None:
         self.file.close()
