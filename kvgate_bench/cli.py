@@ -98,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    if argv and argv[0] == "load":
+        from kvgate_bench import load
+
+        return load.main(argv[1:])
     p = argparse.ArgumentParser(prog="kvgate-bench", description=__doc__)
     sub = p.add_subparsers(dest="mode", required=True)
     v = sub.add_parser(
@@ -112,6 +116,9 @@ def _main(argv: list[str]) -> int:
     v.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
     v.add_argument("--out", default="bench-results/virtual")
     live.add_parsers(sub)
+    sub.add_parser(
+        "load", help="closed-loop load: the sidecar's decision budget under N clients", add_help=False
+    )
     args = p.parse_args(argv)
     if args.mode == "virtual":
         return cmd_virtual(args, argv)

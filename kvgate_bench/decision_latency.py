@@ -9,6 +9,11 @@ already), so every decision pays its Redis round trip.
 
     python -m kvgate_bench.decision_latency --sizes 1024 51200 512000
     python -m kvgate_bench.decision_latency --backends 1000 --sessions 1000000
+    python -m kvgate_bench.decision_latency --burst 64    # 64 decisions at once, as a client burst
+
+With ``--burst N``, N connections each send one decision at the same instant (new session keys, so
+every one claims its key in Redis), as N clients starting together would through Nginx's workers;
+repeated, it reports when the last of each burst was answered: the budget a burst must fit in.
 """
 
 from __future__ import annotations
@@ -42,12 +47,80 @@ def preload_sessions(port: int, n: int, backends: int) -> float:
     return time.perf_counter() - t0
 
 
+def prompt(i: int, size: int) -> dict[str, Any]:
+    text = (f"conversation {i} " + "lorem ipsum dolor sit amet " * (size // 27 + 1))[:size]
+    return {"model": "bench-model", "messages": [{"role": "user", "content": text}]}
+
+
+def _burst_round(clients: list[DecisionClient], msgs: list[dict[str, Any]]) -> list[float]:
+    """Send one message on every client at the same instant; the latency of each answer."""
+    import threading
+
+    n = len(clients)
+    go = threading.Barrier(n + 1)
+    got = [0.0] * n
+    replies: list[Any] = [None] * n
+
+    def one(k: int) -> None:
+        go.wait()
+        t0 = time.perf_counter()
+        replies[k] = clients[k].send_raw(msgs[k])
+        got[k] = time.perf_counter() - t0
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    go.wait()
+    for t in threads:
+        t.join()
+    for k, c in enumerate(clients):
+        reply = c.decode(replies[k])
+        assert isinstance(reply, DecisionReply) and reply.candidates, reply
+        c.finish(reply)
+    return got
+
+
+def burst(socket_path: Path, size: int, n: int, rounds: int) -> dict[str, float]:
+    """``rounds`` bursts of ``n`` decisions sent at once on ``n`` connections; latency of each."""
+    clients = [DecisionClient(socket_path) for _ in range(n)]
+    latencies: list[float] = []
+    lasts: list[float] = []
+    for r in range(rounds):
+        msgs = [
+            encode_message(
+                Decide(c.next_id(), extract(prompt(r * n + k, size), {"X-Session-ID": f"b{size}-{r}-{k}"}))
+            )
+            for k, c in enumerate(clients)
+        ]
+        got = _burst_round(clients, msgs)
+        latencies.extend(got)
+        lasts.append(max(got))
+    for c in clients:
+        c.close()
+    stats = {
+        "p50_ms": pct(latencies, 0.5) * 1000,
+        "p99_ms": pct(latencies, 0.99) * 1000,
+        "last_p50_ms": pct(lasts, 0.5) * 1000,
+        "last_max_ms": max(lasts) * 1000,
+        "over_50ms": sum(1 for x in latencies if x > 0.05) / len(latencies),
+    }
+    print(
+        f"burst of {n}, prompt {size / 1024:.1f} KB: each p50 {stats['p50_ms']:.2f} ms "
+        f"p99 {stats['p99_ms']:.2f} ms; last of a burst p50 {stats['last_p50_ms']:.2f} ms "
+        f"max {stats['last_max_ms']:.2f} ms; over 50 ms {stats['over_50ms']:.2%}",
+        flush=True,
+    )
+    return stats
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 51_200, 512_000], help="prompt bytes")
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--backends", type=int, default=4)
     p.add_argument("--sessions", type=int, default=0, help="sessions preloaded into Redis")
+    p.add_argument("--burst", type=int, default=0, help="N simultaneous decisions per round (0: sequential)")
+    p.add_argument("--rounds", type=int, default=30, help="bursts per prompt size")
     p.add_argument("--out", default="bench-results/decision_latency.json")
     args = p.parse_args()
     out_dir = Path(args.out).parent
@@ -74,8 +147,12 @@ def main() -> None:
             ],
         }
         launch_replica(sup, "bench", config)
+        if args.burst:
+            results["burst"] = {
+                str(size): burst(socket_path, size, args.burst, args.rounds) for size in args.sizes
+            }
         client = DecisionClient(socket_path)
-        for size in args.sizes:
+        for size in [] if args.burst else args.sizes:
             words = max(1, size // 8)
             samples: list[float] = []
             for i in range(args.requests):

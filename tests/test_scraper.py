@@ -60,3 +60,75 @@ def test_inflight_counts_between_scrapes() -> None:
     s = Scraped(1.0, 0.0, 0.1, None, None, at=0.0)
     nodes = {"a": NodeView("a", 1.0, view(s, now=0.1, stale_after=2.0, unknown_requests=0))}
     assert Snapshot(nodes, Ring({"a": 1.0}), inflight={"a": 5}, inflight_tokens={"a": 100}).requests("a") == 5
+
+
+def _reference(text: str) -> dict[str, float]:
+    """What prometheus_client's full parser reads for the series the sidecar uses."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+    }
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in wanted:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_the_line_scanner_reads_what_prometheus_clients_parser_reads() -> None:
+    """On a whole exposition of the simulator (histograms, _created series, HELP/TYPE lines, both
+    name generations) and on label values holding braces, quotes and spaces."""
+    from vllm_sim.engine import Engine, EngineConfig, Request
+    from vllm_sim.metrics import InstanceMetrics
+    from vllm_sim.profiles import LLAMA3_8B_H100
+
+    engine = Engine(EngineConfig.from_profile(LLAMA3_8B_H100))
+    for i in range(5):
+        engine.add_request(Request(f"r{i}", list(range(100 * (i + 1))), 8, 0.0))
+    for step in range(3):
+        engine.step(step * 0.01)
+    metrics = InstanceMetrics(engine, 'model "x" {with} braces', lambda: (0.0, 0.0, 0.0))
+    text = metrics.render().decode()
+    ref = _reference(text)
+    s = parse_metrics(text, 0.0)
+    assert s.running == ref["vllm:num_requests_running"] and s.waiting == ref["vllm:num_requests_waiting"]
+    assert s.kv_usage == ref["vllm:kv_cache_usage_perc"]
+    assert s.prefix_queries == ref["vllm:prefix_cache_queries_total"]
+    assert s.prefix_hits == ref["vllm:prefix_cache_hits_total"]
+    assert s.running + s.waiting == 5
+    tricky = 'vllm:num_requests_running{model_name="a} b\\" c",engine="0"} 7 1700000000000\n'
+    assert _reference(tricky)["vllm:num_requests_running"] == parse_metrics(tricky, 0.0).running == 7
+
+
+def test_the_line_scanner_costs_a_fraction_of_the_full_parser() -> None:
+    """Not a timing budget: the scanner parses a handful of lines where the full parser parses all."""
+    import cProfile
+    import pstats
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from vllm_sim.engine import Engine, EngineConfig
+    from vllm_sim.metrics import InstanceMetrics
+    from vllm_sim.profiles import LLAMA3_8B_H100
+
+    text = (
+        InstanceMetrics(Engine(EngineConfig.from_profile(LLAMA3_8B_H100)), "m", lambda: (0, 0, 0))
+        .render()
+        .decode()
+    )
+
+    def calls(fn: object) -> int:
+        prof = cProfile.Profile()
+        prof.runcall(fn)  # type: ignore[arg-type]
+        return int(pstats.Stats(prof).total_calls)  # type: ignore[attr-defined]
+
+    scanner = calls(lambda: parse_metrics(text, 0.0))
+    full = calls(lambda: list(text_string_to_metric_families(text)))
+    assert scanner * 10 < full, (scanner, full)

@@ -289,3 +289,28 @@ def test_admin_routes_need_the_bearer_token(redis_url: str) -> None:
             assert recent == {"decisions": []}
 
     run(scenario())
+
+
+def test_a_burst_of_new_sessions_costs_redis_one_connection(redis_url: str) -> None:
+    """64 decisions arriving together claim their keys in one pipeline: Redis sees one client of this
+    sidecar, not 64 (a burst of clients once pushed the last decisions past Nginx's budget)."""
+
+    async def scenario() -> None:
+        cfg = config(redis_url)
+        client = redis_client(cfg)
+        assert client is not None
+        sc = core(cfg, client)
+        probe = aioredis.Redis.from_url(redis_url)
+        before = len(await probe.client_list())
+        routed = await asyncio.gather(
+            *(sc.service.decide(features(i, session=f"burst-{i}")) for i in range(64))
+        )
+        after = len(await probe.client_list())
+        assert after - before <= 1, (before, after)
+        assert all(r.decision.session is SessionAction.BIND for r in routed)
+        stored = await probe.mget([f"{cfg.redis.prefix}:s:h:burst-{i}" for i in range(64)])
+        assert [s.decode() for s in stored] == [r.candidates[0].id for r in routed]
+        await probe.aclose()
+        await client.aclose()
+
+    run(scenario())

@@ -16,6 +16,7 @@ local utf8     = require "kvgate.utf8"
 local ngx        = ngx
 local ngx_log    = ngx.log
 local ngx_WARN   = ngx.WARN
+local ngx_now    = ngx.now
 local io_open    = io.open
 local type       = type
 local ipairs     = ipairs
@@ -102,8 +103,11 @@ function _M.run()
     -- Reading and decoding a large body leaves Nginx's cached clock behind; the decision's budget
     -- must start now, not when the request arrived.
     ngx.update_time()
+    local started = ngx_now()
     local reply, decision, code
     reply, err = sidecar.decide(id, f)
+    ngx.update_time()
+    stats.observe_decision(ngx_now() - started)
     if reply then
         decision, err, code = protocol.decision(reply)
     end

@@ -88,6 +88,7 @@ function _M.dropped()
 end
 
 local function flush(premature)
+    stats.flush()
     local dict = ngx.shared[conf.dict]
     local batch = pending
     if npending > 0 then

@@ -6,10 +6,53 @@ local conf = require "kvgate.conf"
 local ngx     = ngx
 local ngx_log = ngx.log
 local ngx_ERR = ngx.ERR
-local pairs   = pairs
-local concat  = table.concat
+local pairs    = pairs
+local tostring = tostring
+local concat   = table.concat
 
 local _M = {}
+
+-- The decision call as Nginx sees it (socket round trip included), in seconds. Observations collect
+-- in per-worker locals and reach the shared dict with the report flush, every 100 ms, so a request
+-- pays no dict lock for them.
+local DECISION_BUCKETS = { 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1 }
+local NBUCKETS = #DECISION_BUCKETS
+local counts, sum, count = {}, 0, 0
+for i = 1, NBUCKETS + 1 do
+    counts[i] = 0
+end
+
+function _M.observe_decision(seconds)
+    count = count + 1
+    sum = sum + seconds
+    for i = 1, NBUCKETS do
+        if seconds <= DECISION_BUCKETS[i] then
+            counts[i] = counts[i] + 1
+            return
+        end
+    end
+    counts[NBUCKETS + 1] = counts[NBUCKETS + 1] + 1
+end
+
+-- Moves this worker's observations into the shared dict (called from the report flush timer).
+function _M.flush()
+    if count == 0 then
+        return
+    end
+    local dict = ngx.shared[conf.dict]
+    for i = 1, NBUCKETS + 1 do
+        if counts[i] > 0 then
+            local ok, err = dict:incr("h:decision:" .. i, counts[i], 0)
+            if not ok then
+                ngx_log(ngx_ERR, "kvgate: failed to record decision latency: ", err)
+            end
+            counts[i] = 0
+        end
+    end
+    dict:incr("h:decision:sum", sum, 0)
+    dict:incr("h:decision:count", count, 0)
+    sum, count = 0, 0
+end
 
 local FAMILIES = {
     { name = "kvgate_gateway_failopen_total", prefix = "m:failopen:", label = "reason",
@@ -47,6 +90,21 @@ function _M.prometheus()
             end
         end
     end
+    n = n + 1
+    lines[n] = "# HELP kvgate_gateway_decision_seconds The sidecar decision call as Nginx sees it."
+    n = n + 1
+    lines[n] = "# TYPE kvgate_gateway_decision_seconds histogram"
+    local cumulative = 0
+    for i = 1, NBUCKETS + 1 do
+        cumulative = cumulative + (dict:get("h:decision:" .. i) or 0)
+        local le = i <= NBUCKETS and tostring(DECISION_BUCKETS[i]) or "+Inf"
+        n = n + 1
+        lines[n] = "kvgate_gateway_decision_seconds_bucket{le=\"" .. le .. "\"} " .. cumulative
+    end
+    n = n + 1
+    lines[n] = "kvgate_gateway_decision_seconds_sum " .. (dict:get("h:decision:sum") or 0)
+    n = n + 1
+    lines[n] = "kvgate_gateway_decision_seconds_count " .. (dict:get("h:decision:count") or 0)
     return concat(lines, "\n") .. "\n"
 end
 

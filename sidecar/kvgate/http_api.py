@@ -189,4 +189,4 @@ class HttpApi:
         return web.json_response({"reloaded": True, "backends": sorted(self.registry.backends)})
 
     async def recent(self, request: web.Request) -> web.Response:
-        return web.json_response({"decisions": list(self.service.recent)})
+        return web.json_response({"decisions": self.service.recent()})

@@ -111,7 +111,7 @@ class PrefixIndex:
                 self._put(parent, (holders, fanout + 1))  # a new continuation of the parent
         holders_new = (node,)
         tail = hashes[first:]
-        self._current.update((h, (holders_new, 1)) for h in tail[:-1])
+        self._current.update(dict.fromkeys(tail[:-1], (holders_new, 1)))  # one C loop, not a generator
         self._current[tail[-1]] = (holders_new, 0)
         if len(self._current) >= self.max_entries // 2:
             self._previous = self._current

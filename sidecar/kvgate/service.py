@@ -58,7 +58,8 @@ class DecisionService:
         self.index = index
         self.metrics = metrics
         self._seq = itertools.count(1)
-        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
+        # For GET /debug/decisions; kept as they are and formatted only when asked for.
+        self._recent: deque[tuple[Routed, Features]] = deque(maxlen=RECENT_DECISIONS)
 
     def policy_for(self, model: str | None) -> PolicyName:
         r = self.config.routing
@@ -100,12 +101,17 @@ class DecisionService:
         routed = Routed(
             did, policy, decision, tuple(Candidate(b, self.registry.address(b)) for b in decision.candidates)
         )
-        self.recent.append(
+        self._recent.append((routed, f))
+        return routed
+
+    def recent(self) -> list[dict[str, Any]]:
+        """The last decisions, oldest first, as ``GET /debug/decisions`` shows them."""
+        return [
             {
-                "id": did,
-                "policy": policy.value,
-                "route": decision.label,
-                "candidates": list(decision.candidates),
+                "id": r.decision_id,
+                "policy": r.policy.value,
+                "route": r.decision.label,
+                "candidates": list(r.decision.candidates),
                 "model": f.model,
                 "key": f.key,
                 "key_source": f.key_source,
@@ -113,8 +119,8 @@ class DecisionService:
                 "chunks": len(f.hashes),
                 "prompt_bytes": f.prompt_bytes,
             }
-        )
-        return routed
+            for r, f in self._recent
+        ]
 
     async def _settle_session(
         self, key: str, d: Decision, req: Request, snap: Snapshot, policy: PolicyName

@@ -1,0 +1,221 @@
+"""Closed-loop load: N streaming clients keep one request each in flight, as a throughput benchmark
+client does (guidellm's throughput profile), and the gateway's own counters say how the sidecar kept
+its decision budget under that load.
+
+Without ``--url`` it starts its own stack on this machine: simulated backends and one kvgate gateway
+(redis-server, the sidecar, Nginx), all competing for the same cores as the client. For each
+concurrency it reports the client's TTFT and, from the gateway's ``/kvgate/metrics`` and the sidecar's
+``/metrics`` read before and after, the decisions made, those that missed Nginx's budget (fail-open by
+timeout), and the decision latency as Nginx and as the sidecar measure it.
+
+    kvgate-bench load --concurrency 32 64 --requests 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+from kvgate.nginx_conf import NginxSettings
+from kvgate.tools.launcher import Supervisor, free_port, free_ports, launch_replica
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate_bench import report
+from kvgate_bench.live import _one
+from kvgate_bench.workloads import BenchRequest, add_workload_args, build_workload
+
+
+@dataclass
+class LoadRow:
+    concurrency: int
+    requests: int
+    errors: int
+    wall_s: float
+    ttft_p50: float
+    ttft_p99: float
+    decisions: float
+    failopen_timeout: float
+    failopen_other: float
+    miss_rate: float  # decisions that missed Nginx's budget / decisions
+    nginx_decision_p50_ms: float
+    nginx_decision_p99_ms: float
+    nginx_decision_p999_ms: float
+    sidecar_decision_p99_ms: float
+
+
+def _families(text: str) -> dict[str, list[tuple[dict[str, str], float, str]]]:
+    out: dict[str, list[tuple[dict[str, str], float, str]]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(fam.name, []).append((dict(s.labels), float(s.value), s.name))
+    return out
+
+
+def _hist(fams: dict[str, list[tuple[dict[str, str], float, str]]], name: str) -> dict[float, float]:
+    """Cumulative bucket counts of one histogram, by upper bound."""
+    return {
+        float(labels["le"]): value
+        for labels, value, sample in fams.get(name, [])
+        if sample.endswith("_bucket") and "le" in labels
+    }
+
+
+def _quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The upper bound of the bucket holding quantile ``q`` of the observations between two reads."""
+    bounds = sorted(after)
+    total = after[bounds[-1]] - before.get(bounds[-1], 0.0)
+    if total <= 0:
+        return 0.0
+    for b in bounds:
+        if after[b] - before.get(b, 0.0) >= q * total:
+            return b
+    return bounds[-1]
+
+
+def _counter(fams: dict[str, list[tuple[dict[str, str], float, str]]], name: str, **labels: str) -> float:
+    """A counter's value (``name`` without ``_total``), or a histogram's count (``name`` ending in
+    ``_count``: prometheus_client files it under the histogram's family)."""
+    family, sample = name, None
+    if name.endswith("_count"):
+        family, sample = name[: -len("_count")], name
+    return sum(
+        v
+        for lab, v, s in fams.get(family, [])
+        if (sample is None or s == sample) and all(lab.get(k) == x for k, x in labels.items())
+    )
+
+
+async def _scrape(
+    session: aiohttp.ClientSession, url: str
+) -> dict[str, list[tuple[dict[str, str], float, str]]]:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        return _families(await resp.text())
+
+
+async def run_load(
+    url: str, sidecar_url: str | None, reqs: Sequence[BenchRequest], concurrency: int, n: int
+) -> LoadRow:
+    bodies = [json.dumps(r.body()).encode() for r in reqs]
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        g0 = await _scrape(session, url + "/kvgate/metrics")
+        s0 = await _scrape(session, sidecar_url + "/metrics") if sidecar_url else {}
+        next_i = 0
+        samples = []
+
+        async def client() -> None:
+            nonlocal next_i
+            while next_i < n:
+                i = next_i
+                next_i += 1
+                samples.append(await _one(session, url, reqs[i % len(reqs)], bodies[i % len(reqs)]))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+        await asyncio.sleep(0.3)  # the last outcome reports and histogram flushes (100 ms timers)
+        g1 = await _scrape(session, url + "/kvgate/metrics")
+        s1 = await _scrape(session, sidecar_url + "/metrics") if sidecar_url else {}
+    decisions = _counter(g1, "kvgate_gateway_decision_seconds_count") - _counter(
+        g0, "kvgate_gateway_decision_seconds_count"
+    )
+
+    def failopen(reason: str) -> float:
+        name = "kvgate_gateway_failopen"
+        return _counter(g1, name, reason=reason) - _counter(g0, name, reason=reason)
+
+    timeouts = failopen("timeout")
+    ok = [s.ttft for s in samples if s.ok]
+    nginx_before, nginx_after = (
+        _hist(g0, "kvgate_gateway_decision_seconds"),
+        _hist(g1, "kvgate_gateway_decision_seconds"),
+    )
+    side_before, side_after = _hist(s0, "kvgate_decision_seconds"), _hist(s1, "kvgate_decision_seconds")
+    return LoadRow(
+        concurrency=concurrency,
+        requests=len(samples),
+        errors=sum(1 for s in samples if not s.ok),
+        wall_s=wall,
+        ttft_p50=report.pct(ok, 0.5),
+        ttft_p99=report.pct(ok, 0.99),
+        decisions=decisions,
+        failopen_timeout=timeouts,
+        failopen_other=failopen("refused") + failopen("error"),
+        miss_rate=timeouts / decisions if decisions else 0.0,
+        nginx_decision_p50_ms=_quantile(nginx_before, nginx_after, 0.5) * 1000,
+        nginx_decision_p99_ms=_quantile(nginx_before, nginx_after, 0.99) * 1000,
+        nginx_decision_p999_ms=_quantile(nginx_before, nginx_after, 0.999) * 1000,
+        sidecar_decision_p99_ms=_quantile(side_before, side_after, 0.99) * 1000 if side_after else 0.0,
+    )
+
+
+def start_stack(
+    sup: Supervisor, backends: int, profile: str, time_scale: float, model: str
+) -> tuple[str, str]:
+    """Simulated backends and one kvgate gateway on this machine; (gateway URL, sidecar URL)."""
+    sim = free_ports(backends)
+    sup.start_sim(
+        sim, backends, "sim", "--model", model, "--profile", profile, "--time-scale", str(time_scale)
+    )
+    redis_port = free_port()
+    sup.start_redis(redis_port)
+    port, http_port = free_port(), free_port()
+    sock = str(sup.run_dir / "sidecar.sock")
+    cfg = {
+        "listen": {"socket": sock, "http_port": http_port},
+        "redis": {"url": f"redis://127.0.0.1:{redis_port}/0"},
+        "backends": [{"id": f"sim-{i}", "url": f"http://127.0.0.1:{sim + i}"} for i in range(backends)],
+    }
+    settings = NginxSettings(listen=f"127.0.0.1:{port}", socket=sock, run_dir=str(sup.run_dir), workers=2)
+    replica = launch_replica(sup, "kvgate", cfg, settings)
+    return replica.url, replica.http
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="kvgate-bench load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_workload_args(p)
+    p.set_defaults(workload="chat")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--requests", type=int, default=600, help="requests per concurrency level")
+    p.add_argument("--url", help="a running gateway (default: start one here)")
+    p.add_argument("--sidecar-url", help="its sidecar's HTTP API, for the sidecar-side latency")
+    p.add_argument("--backends", type=int, default=4)
+    p.add_argument("--profile", default="llama3-8b-h100")
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--out", default="bench-results/load.json")
+    args = p.parse_args(argv)
+    reqs = build_workload(args)
+    sup = Supervisor(Path(args.out).parent / "load-run")
+    rows: list[LoadRow] = []
+    try:
+        if args.url:
+            url, sidecar_url = args.url, args.sidecar_url
+        else:
+            url, sidecar_url = start_stack(sup, args.backends, args.profile, args.time_scale, args.model)
+        for c in args.concurrency:
+            row = asyncio.run(run_load(url, sidecar_url, reqs, c, args.requests))
+            rows.append(row)
+            print(
+                f"concurrency {c:3}: {row.requests} requests, {row.errors} errors, "
+                f"TTFT p50 {row.ttft_p50:.3f}s p99 {row.ttft_p99:.3f}s | decisions {row.decisions:.0f}, "
+                f"over budget {row.failopen_timeout:.0f} ({row.miss_rate:.3%}), "
+                f"other fail-open {row.failopen_other:.0f} | decision call (Nginx) "
+                f"p50 <= {row.nginx_decision_p50_ms:g} ms, p99 <= {row.nginx_decision_p99_ms:g} ms, "
+                f"p99.9 <= {row.nginx_decision_p999_ms:g} ms; "
+                f"in the sidecar p99 <= {row.sidecar_decision_p99_ms:g} ms",
+                flush=True,
+            )
+    finally:
+        sup.stop_all()
+    report.write_json(
+        Path(args.out), {"header": report.header(["load", *(argv or [])]), "rows": [asdict(r) for r in rows]}
+    )
+    return 0
