@@ -154,7 +154,27 @@ async def run_live(
     return LiveRun(list(samples), makespan, report.pct(lags, 0.99), deltas)
 
 
-def summarize_live(target: str, run: LiveRun, time_scale: float, speedup: float, **extra: Any) -> Summary:
+def gateway_ttfts(access_log: Path) -> list[float]:
+    """TTFTs kvgate measured itself (``ttft=`` of its access log format; streams that answered 200)."""
+    out: list[float] = []
+    if not access_log.exists():
+        return out
+    for line in access_log.read_text().splitlines():
+        status = line.split('" ', 1)[1].split(" ", 1)[0] if '" ' in line else ""
+        for field in line.split():
+            if field.startswith("ttft=") and field[5:] not in ("", "-") and status == "200":
+                out.append(float(field[5:]))
+    return out
+
+
+def summarize_live(
+    target: str,
+    run: LiveRun,
+    time_scale: float,
+    speedup: float,
+    gateway: Sequence[float] = (),
+    **extra: Any,
+) -> Summary:
     s = time_scale
     scaled = [
         Sample(
@@ -181,6 +201,9 @@ def summarize_live(target: str, run: LiveRun, time_scale: float, speedup: float,
     if step_lag > MAX_STEP_LAG:
         problems.append(f"simulator step lag {step_lag:.1%}")
     note = "; ".join(problems) or f"send lag p99 {run.send_lag_p99 * 1000:.1f} ms, step lag {step_lag:.1%}"
+    if gateway:
+        extra["gateway_ttft_p50"] = report.pct(gateway, 0.5) * s
+        extra["gateway_ttft_mean"] = sum(gateway) / len(gateway) * s
     return report.summarize(
         target,
         scaled,
@@ -232,7 +255,10 @@ def start_target(sup: Supervisor, target: str, workers: list[str], time_scale: f
             "routing": {"policy": policy},
             "backends": [{"id": f"sim-{i}", "url": u} for i, u in enumerate(workers)],
         }
-        settings = NginxSettings(listen=f"127.0.0.1:{port}", socket=sock, run_dir=str(sup.run_dir), workers=2)
+        settings = NginxSettings(
+            listen=f"127.0.0.1:{port}", socket=sock, run_dir=str(sup.run_dir), workers=2, access_log=True
+        )
+        (sup.run_dir / "nginx-access.log").unlink(missing_ok=True)  # one run's requests only
         return launch_replica(sup, "kvgate", cfg, settings).url
     # Both peers take the same flags; sglang-router needs "launch" and a metrics port of its own.
     common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", policy]
@@ -260,6 +286,7 @@ def add_parsers(sub: Any) -> None:
     lv.add_argument("--speedup", type=float, default=1.0)
     lv.add_argument("--time-scale", type=float, default=1.0, help="the simulators' --time-scale")
     lv.add_argument("--target", default="target")
+    lv.add_argument("--gateway-log", type=Path, help="a kvgate access log (kvgate format) of this run")
     lv.add_argument("--out", default="bench-results/live")
     cp = sub.add_parser("compare", help="same workload through each target in turn, fresh backends each time")
     add_workload_args(cp)
@@ -279,7 +306,8 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         lr = asyncio.run(
             run_live(args.url, reqs, args.speedup * args.time_scale, args.backend_urls, Progress(args.target))
         )
-        row = summarize_live(args.target, lr, args.time_scale, args.speedup)
+        gw = gateway_ttfts(args.gateway_log) if args.gateway_log else []
+        row = summarize_live(args.target, lr, args.time_scale, args.speedup, gw)
         path = report.write(
             Path(args.out),
             f"live, {args.workload}",
@@ -323,18 +351,25 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
                         url, reqs, speedup * args.time_scale, workers, Progress(f"{target} x{speedup:g}")
                     )
                 )
+                gw = gateway_ttfts(sup.run_dir / "nginx-access.log")
             except (OSError, RuntimeError, TimeoutError) as exc:
                 notes.append(f"{target} x{speedup:g} failed to run: {exc}")
                 print(notes[-1], file=sys.stderr)
                 continue
             finally:
                 sup.stop_all()
-            row = summarize_live(target, lr, args.time_scale, speedup)
+            row = summarize_live(target, lr, args.time_scale, speedup, gw)
             rows.append(row)
             if speedup == args.speedups[0]:
                 cdfs[target] = [s.ttft * args.time_scale for s in lr.samples if s.ok]
+            gw_note = (
+                f"(gateway p50 {row.gateway_ttft_p50:.3f}s vs client {row.ttft_p50:.3f}s) "
+                if row.gateway_ttft_p50 is not None
+                else ""
+            )
             print(
                 f"  {target:30} x{speedup:<4g} TTFT mean {row.ttft_mean:.3f}s p90 {row.ttft_p90:.3f}s "
+                f"{gw_note}"
                 f"hit {row.hit_rate:.1%} imbalance {row.imbalance:.2f} errors {row.errors} "
                 f"{'' if row.valid else 'INVALID ' + row.note}",
                 file=sys.stderr,

@@ -44,6 +44,8 @@ class Summary:
     imbalance: float
     ideal_hit_rate: float | None = None
     zero_queue_ttft: float | None = None
+    gateway_ttft_p50: float | None = None  # kvgate's own measure (first body byte at Nginx), live runs
+    gateway_ttft_mean: float | None = None
     speedup: float = 1.0
     valid: bool = True
     note: str = ""
@@ -131,6 +133,7 @@ COLUMNS = [
     ("ttft_p50", "p50", "{:.3f}"),
     ("ttft_p90", "p90", "{:.3f}"),
     ("ttft_p99", "p99", "{:.3f}"),
+    ("gateway_ttft_p50", "gateway-measured TTFT p50", "{:.3f}"),
     ("itl_mean", "ITL mean ms", "{:.1f}"),
     ("e2e_p99", "e2e p99 s", "{:.2f}"),
     ("throughput_tok_s", "tok/s", "{:.0f}"),

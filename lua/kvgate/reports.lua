@@ -20,6 +20,7 @@ local ngx_now    = ngx.now
 local tonumber   = tonumber
 local tostring   = tostring
 local str_find   = string.find
+local str_format = string.format
 local str_gmatch = string.gmatch
 
 local FLUSH_EVERY_S  = 0.1     -- outcome reports are flushed in batches this often
@@ -189,8 +190,15 @@ function _M.log()
     local status = statuses[tries] or tonumber(ngx_var.status) or 0
     local sent = (tonumber(ngx_var.body_bytes_sent) or 0) > 0
     local duration = ngx_now() - ngx.req.start_time()
-    _M.push(protocol.ended(ctx.kv_id, ids[picks[tries]], status, sent,
-                           ctx.kv_stream and ctx.kv_first or nil, duration))
+    local backend = ids[picks[tries]]
+    local ttft = ctx.kv_stream and ctx.kv_first or nil
+    _M.push(protocol.ended(ctx.kv_id, backend, status, sent, ttft, duration))
+    -- For the kvgate log_format (the access log module runs after this phase handler).
+    ngx_var.kvgate_backend = backend
+    ngx_var.kvgate_route = ctx.kv_route
+    if ttft then
+        ngx_var.kvgate_ttft = str_format("%.4f", ttft)
+    end
 end
 
 return _M

@@ -95,7 +95,7 @@ def render(
         "listen": settings.listen,
         "workers": str(settings.workers),
         "run_dir": str(run_dir),
-        "access_log": f"{run_dir}/nginx-access.log" if settings.access_log else "off",
+        "access_log": f"{run_dir}/nginx-access.log kvgate" if settings.access_log else "off",
         "user_directive": user_directive(),
         "load_modules": "",
     }
