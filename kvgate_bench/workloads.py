@@ -10,6 +10,9 @@ word = one token) are built on demand, since a whole trace held as text would ta
   that grow each turn (the previous answer is sent back), think time between turns; with or without
   a session header.
 * ``mixed``: long RAG documents with short questions, plus short chats.
+* ``reuse``: reuse-rich traffic with a knob (``--reuse``): requests ask about documents (in the
+  system prompt) and extend conversation trees about them; a share ``reuse`` of requests returns to
+  an earlier document (Zipf popularity) or conversation, the rest bring a new document.
 """
 
 from __future__ import annotations
@@ -202,8 +205,66 @@ def mixed(
     return [_chat_request(i, t, m, n, model) for i, (t, m, n) in enumerate(events)]
 
 
+def reuse_rich(
+    reuse: float = 0.8,
+    requests: int = 1200,
+    rate: float = 4.0,
+    doc_tokens: tuple[int, int] = (2000, 6000),
+    question_tokens: int = 60,
+    answer_tokens: int = 120,
+    zipf: float = 1.1,
+    follow_up: float = 0.5,
+    seed: int = 3,
+    model: str = "sim-model",
+) -> list[BenchRequest]:
+    """Documents asked about again and again, and conversations about them that grow.
+
+    Each request (Poisson arrivals at ``rate`` per second), with probability ``reuse``, returns to a
+    document seen before (the k-th document drawn with weight ``1 / k**zipf``): with probability
+    ``follow_up`` it continues one of that document's conversations (history + the answer it got +
+    a new question), else it opens a new conversation on it. Otherwise it brings a new document.
+    """
+    rng = random.Random(seed)
+    docs: list[str] = []
+    threads: list[list[list[dict[str, str]]]] = []  # per document: each conversation's messages
+    out: list[BenchRequest] = []
+    t = 0.0
+    for rid in range(requests):
+        t += rng.expovariate(rate)
+        question = " ".join(tokenizer.filler_words(f"reuse-q{seed}-{rid}", question_tokens))
+        if docs and rng.random() < reuse:
+            weights = [1.0 / (k + 1) ** zipf for k in range(len(docs))]
+            d = rng.choices(range(len(docs)), weights)[0]
+        else:
+            n = rng.randint(*doc_tokens)
+            docs.append(" ".join(tokenizer.filler_words(f"reuse-doc{seed}-{len(docs)}", n)))
+            threads.append([])
+            d = len(docs) - 1
+        convs = threads[d]
+        if convs and rng.random() < follow_up:
+            c = rng.randrange(len(convs))
+            answer = " ".join(tokenizer.output_words(rid, answer_tokens))
+            messages = [
+                *convs[c],
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": question},
+            ]
+            convs[c] = messages
+        else:
+            messages = [{"role": "system", "content": docs[d]}, {"role": "user", "content": question}]
+            convs.append(messages)
+        out.append(_chat_request(rid, t, list(messages), answer_tokens, model))
+    return out
+
+
 def add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", choices=["trace", "chat", "chat-sessions", "mixed"], default="trace")
+    p.add_argument(
+        "--workload", choices=["trace", "chat", "chat-sessions", "mixed", "reuse"], default="trace"
+    )
+    p.add_argument(
+        "--reuse", type=float, default=0.8, help="reuse workload: share of requests that come back"
+    )
+    p.add_argument("--rate", type=float, default=4.0, help="reuse workload: arrivals per second")
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
     p.add_argument("--start", type=float, default=0.0, help="trace window start (s)")
     p.add_argument("--duration", type=float, default=None, help="trace window length (s)")
@@ -219,6 +280,8 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
         return load_trace(args.trace, args.start, args.duration, args.limit, args.model)
     if args.workload in ("chat", "chat-sessions"):
         reqs = synthetic_chat(session_header=args.workload == "chat-sessions", model=args.model)
+    elif args.workload == "reuse":
+        reqs = reuse_rich(reuse=args.reuse, rate=args.rate, model=args.model)
     else:
         reqs = mixed(model=args.model)
     return reqs[: args.limit] if args.limit else reqs

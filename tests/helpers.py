@@ -93,7 +93,7 @@ class Gateway:
         n: int,
         client_max_body_size: str = "16m",
         route_headers: bool = True,
-        read_timeout: str = "600s",
+        first_byte_timeout_ms: int = 60_000,
         upstream_keepalive_timeout: str = "4s",
         **routing: Any,
     ) -> None:
@@ -112,7 +112,7 @@ class Gateway:
             client_max_body_size=client_max_body_size,
             client_body_buffer_size="1m",
             route_headers=route_headers,
-            read_timeout=read_timeout,
+            first_byte_timeout_ms=first_byte_timeout_ms,
             retry_deadline="3s",
             upstream_keepalive_timeout=upstream_keepalive_timeout,
         )

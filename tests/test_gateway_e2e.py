@@ -240,7 +240,7 @@ def test_all_backends_failing_gives_502_json(fresh: Env) -> None:
 
 
 def test_backends_that_never_answer_give_504_json(stack: Supervisor) -> None:
-    e = Env(stack, n=2, read_timeout="1s")
+    e = Env(stack, n=2, first_byte_timeout_ms=1000)
     for i in range(e.n):
         e.fault(f"sim-{i}", latency_ms=5000)  # accepts, answers far too late
     t0 = time.perf_counter()

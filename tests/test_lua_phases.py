@@ -40,7 +40,7 @@ class Phase:
         self.sidecar = MockSidecar(
             sup.run_dir / "mock.sock", [(n, self.addr(n)) for n in ("ok-a", "ok-b", "ok-c")]
         )
-        settings.setdefault("read_timeout", "1s")
+        settings.setdefault("first_byte_timeout_ms", 1000)
         self.nginx = PhaseNginx(sup, self.sidecar.path, servers, **settings)
         wait_until(lambda: http_json("GET", self.nginx.url + "/kvgate/health")[1]["fail_open_peers"] == 3)
 

@@ -110,3 +110,16 @@ def test_bounded_walk_never_puts_a_node_above_the_bound(n: int, requests: int, c
         bound = math.ceil(c * (total + 1) / n)
         counts[d.candidates[0]] += 1
         assert counts[d.candidates[0]] <= bound
+
+
+def test_a_saturated_session_with_nowhere_better_to_go_stays_without_a_rebind() -> None:
+    full = {n: load(6, waiting=9) for n in ("a", "b", "c")}
+    d = decide(PolicyName.KVGATE, Request(feat("k"), 1, bound="a"), snap(full), 3)
+    if d.candidates[0] == "a":
+        assert d.session is SessionAction.KEEP and d.reason is Reason.SESSION
+    else:
+        assert d.session is SessionAction.REBIND
+    # Whatever the ring says, a rebind always moves the session.
+    for bound in ("a", "b", "c"):
+        d = decide(PolicyName.KVGATE, Request(feat("k"), 1, bound=bound), snap(full), 3)
+        assert (d.session is SessionAction.REBIND) == (d.candidates[0] != bound)

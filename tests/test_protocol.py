@@ -35,7 +35,9 @@ def features(d: dict[str, Any]) -> Features:
 
 def outcome(d: dict[str, Any]) -> Outcome:
     kind = OutcomeKind(d["kind"])
-    return Outcome(kind, d["decision_id"], d["backend"], d["status"], d["sent"], d["ttft"], d["duration"])
+    return Outcome(
+        kind, d["decision_id"], d["backend"], d["status"], d["sent"], d["ttft"], d["duration"], d["cut"]
+    )
 
 
 def reply(d: dict[str, Any]) -> object:

@@ -14,16 +14,31 @@ local stats    = require "kvgate.stats"
 local utf8     = require "kvgate.utf8"
 
 local ngx        = ngx
+local ngx_var    = ngx.var
 local ngx_log    = ngx.log
 local ngx_WARN   = ngx.WARN
 local ngx_now    = ngx.now
 local io_open    = io.open
 local type       = type
+local pairs      = pairs
 local ipairs     = ipairs
+local math_floor = math.floor
+local math_min   = math.min
 local str_find   = string.find
 local str_format = string.format
 
-local TEXT_FIELDS = { "model", "user" }   -- body fields the gateway reads as text
+-- What the gateway accepts: a JSON object (no NaN, Infinity or hex numbers, at most MAX_DEPTH deep)
+-- whose fields the gateway reads have the right type and size. Everything else a backend checks.
+local MAX_DEPTH     = 64
+local MAX_TEXT      = 512    -- bytes of the session header or `user`
+local MAX_MODEL     = 256    -- bytes of `model`
+local MAX_TOKENS    = 2147483647
+local TEXT_FIELDS   = { model = MAX_MODEL, user = MAX_TEXT }
+local TOKEN_FIELDS  = { "max_tokens", "max_completion_tokens" }
+
+local json = cjson.new()
+json.decode_invalid_numbers(false)
+json.decode_max_depth(MAX_DEPTH)
 
 local _M = {}
 
@@ -59,17 +74,60 @@ local function read_body()
     return body
 end
 
--- What crosses to the sidecar as text must be UTF-8; returns an error message and its param, or nil.
-local function invalid_text(body, session)
-    if type(session) == "string" and not utf8.valid(session) then
-        return "The " .. conf.session_header .. " header is not valid UTF-8 text."
+-- The fields the gateway reads; returns an error message and its param, or nil. Text that crosses to
+-- the sidecar must be UTF-8 and short (long keys would fill Redis).
+local function invalid(body, session)
+    if type(session) == "table" then
+        return "Send one " .. conf.session_header .. " header, not several."
     end
-    for _, field in ipairs(TEXT_FIELDS) do
-        local value = body[field]
-        if type(value) == "string" and not utf8.valid(value) then
-            return "`" .. field .. "` is not valid UTF-8 text.", field
+    if session ~= nil then
+        if #session > MAX_TEXT then
+            return "The " .. conf.session_header .. " header is longer than " .. MAX_TEXT .. " bytes."
+        end
+        if not utf8.valid(session) then
+            return "The " .. conf.session_header .. " header is not valid UTF-8 text."
         end
     end
+    for field, max in pairs(TEXT_FIELDS) do
+        local value = body[field]
+        if value ~= nil then
+            if type(value) ~= "string" then
+                return "`" .. field .. "` must be a string.", field
+            end
+            if #value > max then
+                return "`" .. field .. "` is longer than " .. max .. " bytes.", field
+            end
+            if not utf8.valid(value) then
+                return "`" .. field .. "` is not valid UTF-8 text.", field
+            end
+        end
+    end
+    for _, field in ipairs(TOKEN_FIELDS) do
+        local value = body[field]
+        if value ~= nil and value ~= cjson.null and (type(value) ~= "number" or value ~= math_floor(value)
+                                                     or value < 0 or value > MAX_TOKENS) then
+            return "`" .. field .. "` must be a whole number of tokens.", field
+        end
+    end
+    local stream = body.stream
+    if stream ~= nil and stream ~= cjson.null and type(stream) ~= "boolean" then
+        return "`stream` must be true or false.", "stream"
+    end
+end
+
+-- How long one try may wait for the response's next byte (see conf.lua), in ms.
+local function read_timeout(body)
+    if body.stream == true then
+        return conf.first_byte_timeout_ms
+    end
+    local tokens = body.max_completion_tokens
+    if type(tokens) ~= "number" then
+        tokens = body.max_tokens
+    end
+    if type(tokens) ~= "number" then
+        return conf.max_read_timeout_ms
+    end
+    return math_min(conf.max_read_timeout_ms, conf.first_byte_timeout_ms + tokens * conf.token_timeout_ms)
 end
 
 -- Why a decision call failed, as the fail-open counter names it.
@@ -84,16 +142,23 @@ local function failure_reason(err)
 end
 
 function _M.run()
+    if not ngx_var.http_host then
+        return errors.send(400, "The request has no Host header.")
+    end
     local raw, err = read_body()
     if not raw or raw == "" then
         return errors.send(400, err or "The request body is empty; send a JSON object.")
     end
-    local body = cjson.decode(raw)
+    if not str_find(raw, "^%s*{") then
+        return errors.send(400, "The request body must be a JSON object.")
+    end
+    local body
+    body, err = json.decode(raw)
     if type(body) ~= "table" then
-        return errors.send(400, "The request body is not valid JSON.")
+        return errors.send(400, "The request body is not valid JSON: " .. (err or "not an object") .. ".")
     end
     local session = ngx.req.get_headers()[conf.session_header]
-    local message, param = invalid_text(body, session)
+    local message, param = invalid(body, session)
     if message then
         return errors.send(400, message, nil, param)
     end
@@ -133,6 +198,7 @@ function _M.run()
         ctx.kv_ids, ctx.kv_addrs, ctx.kv_route = ids, addrs, "fail-open"
     end
     ctx.kv_tries = 0
+    ctx.kv_read_s = read_timeout(body) / 1000
     reports.stash(ctx)
 end
 

@@ -2,6 +2,7 @@
 -- candidate on each call (Nginx's proxy_next_upstream calls again after a failure).
 
 local balancer = require "ngx.balancer"
+local conf     = require "kvgate.conf"
 
 local ngx       = ngx
 local ngx_log   = ngx.log
@@ -41,6 +42,11 @@ function _M.run()
     if not ok then
         ngx_log(ngx_ERR, "kvgate: failed to set peer ", addrs[i], ": ", err)
         return ngx.exit(ngx.ERROR)
+    end
+    ok, err = balancer.set_timeouts(conf.connect_timeout_ms / 1000, conf.send_timeout_ms / 1000,
+                                    ctx.kv_read_s)
+    if not ok then
+        ngx_log(ngx_ERR, "kvgate: failed to set timeouts: ", err)
     end
 end
 

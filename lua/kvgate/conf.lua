@@ -13,6 +13,16 @@ local _M = {
     session_header = "X-Session-ID",
     route_headers = true,                       -- X-Kvgate-Backend / X-Kvgate-Route on responses
     max_tries = 3,                              -- candidates Nginx may try for one request
+    connect_timeout_ms = 2000,                  -- to a backend, per try
+    send_timeout_ms = 60000,
+    -- The wait for a response's first byte, per try (then Nginx tries the next candidate, if nothing
+    -- reached the client yet). A vLLM stream sends its headers at acceptance; Nginx has one read
+    -- timeout per try, so for a stream this also bounds every later silence, the first token's
+    -- queueing and prefill included. A JSON response comes whole at the end: each requested token
+    -- adds token_timeout_ms, up to max_read_timeout_ms.
+    first_byte_timeout_ms = 60000,
+    token_timeout_ms = 100,
+    max_read_timeout_ms = 600000,
     max_body = "16m",                           -- client_max_body_size, named in the 413 message
     dict = "kvgate",                            -- the lua_shared_dict of the fail-open peers
 }

@@ -17,11 +17,20 @@ local CHUNK_BYTES = 512
 local MAX_CHUNKS  = 256   -- 128 KB (~32k tokens), as in features.py
 local KEY_BYTES   = 1024
 local KEY_CHUNKS  = 16
+local KEY_VERBATIM = 64   -- longer session values are stored as their md5: Redis keys stay small
 
 local _M = { _VERSION = "0.1.0", CHUNK_BYTES = CHUNK_BYTES }
 
 local function md5_16(s)
     return str_sub(ngx_md5(s), 1, 16)
+end
+
+-- "h:abc" for a short value, "h#<md5>" for a long one.
+local function session_key(kind, value)
+    if #value <= KEY_VERBATIM then
+        return kind .. ":" .. value
+    end
+    return kind .. "#" .. ngx_md5(value)
 end
 
 local function content_text(content)
@@ -86,9 +95,9 @@ function _M.extract(body, session_value)
     local key, source
     local user = body.user
     if type(session_value) == "string" and session_value ~= "" then
-        key, source = "h:" .. session_value, "header"
+        key, source = session_key("h", session_value), "header"
     elseif type(user) == "string" and user ~= "" then
-        key, source = "u:" .. user, "user"
+        key, source = session_key("u", user), "user"
     elseif first_user ~= nil then
         key, source = "p:" .. md5_16(str_sub(first_user, 1, KEY_BYTES)), "prefix"
     elseif #hashes > 0 then

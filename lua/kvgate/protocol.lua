@@ -49,9 +49,10 @@ function _M.first(id, backend)
     return { k = "first", i = id, b = backend }
 end
 
--- The request ended. id is nil for a fail-open request; ttft (streams) and duration may be nil.
-function _M.ended(id, backend, status, sent, ttft, duration)
-    return { k = "end", i = id, b = backend, s = status, x = sent, t = ttft, d = duration }
+-- The request ended. id is nil for a fail-open request; ttft (streams) and duration may be nil; cut is
+-- true when the backend closed the response before its end.
+function _M.ended(id, backend, status, sent, ttft, duration, cut)
+    return { k = "end", i = id, b = backend, s = status, x = sent, t = ttft, d = duration, c = cut or nil }
 end
 
 -- An earlier candidate failed before the one that answered.

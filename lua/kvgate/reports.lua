@@ -143,18 +143,47 @@ function _M.header_filter()
     ctx.kv_stream = ctype ~= nil and str_find(ctype, "text/event-stream", 1, true) ~= nil
 end
 
--- body_filter: marks the first body byte and does nothing else on later chunks. For a stream the
--- first byte is the first token (vLLM sends the headers before prefill, the first event after it), so
--- the sidecar stops counting the request in its backend's prefill queue, and this is its TTFT.
+-- body_filter: marks the first body byte, then watches for the end. For a stream the first byte is
+-- the first token (vLLM sends the headers before prefill, the first event after it), so the sidecar
+-- stops counting the request in its backend's prefill queue, and this is its TTFT. After it, a chunk
+-- costs reading the eof flag; a response that stops without one was cut by the backend (Nginx then
+-- makes one last empty call with the upstream finished): a stream gets an error event before the
+-- connection closes, and the outcome says "cut".
+local CUT_EVENT = 'data: {"error":{"message":"The backend closed the stream before it finished.",'
+                  .. '"type":"BadGatewayError","param":null,"code":502}}\n\n'
+
+local function cut(ctx)
+    ctx.kv_cut = true
+    ctx.kv_eof = true
+    if ctx.kv_stream then
+        ngx.arg[1] = CUT_EVENT
+    end
+end
+
 function _M.body_filter()
     local ctx = ngx.ctx
-    if ctx.kv_first or not ctx.kv_tries or ctx.kv_tries == 0 or ngx.arg[1] == "" then
+    if ctx.kv_eof or not ctx.kv_tries or ctx.kv_tries == 0 then
         return
     end
-    ngx.update_time()
-    ctx.kv_first = ngx_now() - ngx.req.start_time()
-    if ctx.kv_id then
-        _M.push(protocol.first(ctx.kv_id, ctx.kv_ids[ctx.kv_picks[ctx.kv_tries]]))
+    if ngx.arg[2] then
+        ctx.kv_eof = true
+    end
+    if not ctx.kv_first then
+        if ngx.arg[1] == "" then
+            if not ctx.kv_eof and ngx_var.upstream_response_time ~= "-" then
+                cut(ctx)   -- cut before the first byte (after the headers)
+            end
+            return
+        end
+        ngx.update_time()
+        ctx.kv_first = ngx_now() - ngx.req.start_time()
+        if ctx.kv_id then
+            _M.push(protocol.first(ctx.kv_id, ctx.kv_ids[ctx.kv_picks[ctx.kv_tries]]))
+        end
+        return
+    end
+    if not ctx.kv_eof and ngx_var.upstream_response_time ~= "-" and ngx.arg[1] == "" then
+        cut(ctx)
     end
 end
 
@@ -192,7 +221,7 @@ function _M.log()
     local duration = ngx_now() - ngx.req.start_time()
     local backend = ids[picks[tries]]
     local ttft = ctx.kv_stream and ctx.kv_first or nil
-    _M.push(protocol.ended(ctx.kv_id, backend, status, sent, ttft, duration))
+    _M.push(protocol.ended(ctx.kv_id, backend, status, sent, ttft, duration, ctx.kv_cut))
     -- For the kvgate log_format (the access log module runs after this phase handler).
     ngx_var.kvgate_backend = backend
     ngx_var.kvgate_route = ctx.kv_route

@@ -79,6 +79,7 @@ async def _scrape_round(
     ]
     await asyncio.gather(*jobs)
     registry.expire_inflight(time.monotonic())
+    registry.tick(time.monotonic())
     registry.changed()  # new load figures: decisions rebuild their snapshot once
 
 

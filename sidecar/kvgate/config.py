@@ -194,6 +194,37 @@ class ScrapeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class OutlierConfig:
+    """Passive health (``kvgate.outliers``): ejection after consecutive backend-caused failures."""
+
+    enabled: bool = True
+    consecutive: int = 5  # failures in a row that eject a backend (Envoy's consecutive_5xx)
+    base_ejection_s: float = 10.0  # the first ejection's length; the n-th lasts n times as long
+    max_ejection_s: float = 300.0
+    max_ejection_percent: float = 50.0  # of the fleet out at once (at least one, never all)
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> OutlierConfig:
+        w = "outlier"
+        _check_keys(
+            d, w, {"enabled", "consecutive", "base_ejection_ms", "max_ejection_ms", "max_ejection_percent"}
+        )
+        enabled = d.get("enabled", True)
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"{w}.enabled: expected true or false, got {enabled!r}")
+        out = cls(
+            enabled=enabled,
+            consecutive=_int(d, w, "consecutive", 5, 1, 1000),
+            base_ejection_s=_ms(d, w, "base_ejection_ms", 10_000, 100, 3_600_000),
+            max_ejection_s=_ms(d, w, "max_ejection_ms", 300_000, 100, 86_400_000),
+            max_ejection_percent=_num(d, w, "max_ejection_percent", 50, 0, 100),
+        )
+        if out.max_ejection_s < out.base_ejection_s:
+            raise ConfigError(f"{w}.max_ejection_ms must not be below {w}.base_ejection_ms")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class LoadLimits:
     """When a backend is full: the thresholds every policy reads, in one object."""
 
@@ -287,6 +318,7 @@ class Config:
     listen: ListenConfig = ListenConfig()
     redis: RedisConfig = RedisConfig()
     scrape: ScrapeConfig = ScrapeConfig()
+    outlier: OutlierConfig = OutlierConfig()
     routing: RoutingConfig = RoutingConfig()
     backends: tuple[BackendSpec, ...] = ()
 
@@ -295,7 +327,7 @@ class Config:
         if not isinstance(data, Mapping):
             raise ConfigError("the config file must be a YAML mapping (listen:, redis:, backends:, ...)")
         data = _apply_env(data, env or {})
-        _check_keys(data, "config", {"listen", "redis", "scrape", "routing", "backends"})
+        _check_keys(data, "config", {"listen", "redis", "scrape", "outlier", "routing", "backends"})
         raw_backends = data.get("backends") or []
         if not isinstance(raw_backends, list):
             raise ConfigError("backends: expected a list of {url: http://HOST:PORT, weight: 1}")
@@ -307,6 +339,7 @@ class Config:
             listen=ListenConfig.from_mapping(_section(data, "listen")),
             redis=RedisConfig.from_mapping(_section(data, "redis")),
             scrape=ScrapeConfig.from_mapping(_section(data, "scrape")),
+            outlier=OutlierConfig.from_mapping(_section(data, "outlier")),
             routing=RoutingConfig.from_mapping(_section(data, "routing")),
             backends=backends,
         )

@@ -11,10 +11,11 @@ are checked against ``tests/golden/features.json``.
   Beyond 128 KB of prompt the session key, not the index, keeps a conversation together, and the
   hashing cost stays bounded (about 0.25 ms in Lua) however long the prompt.
 * ``key``: the affinity key, in order: the session header (``h:``), the OpenAI ``user`` field (``u:``),
-  else a key derived from the prompt's leading content (``p:``). For chat the derived key hashes the
-  first user message (its first ``KEY_BYTES``), never the system prompt, so a system prompt shared by
-  every request cannot collapse all traffic onto one node, while a conversation, which resends its
-  history, keeps its key on every turn. For completions it is the chain hash at ``KEY_CHUNKS`` chunks
+  else a key derived from the prompt's leading content (``p:``). A session value longer than
+  ``KEY_VERBATIM`` bytes is kept as its md5 (``h#``/``u#``), so no client can store a megabyte key.
+  For chat the derived key hashes the first user message (its first ``KEY_BYTES``), never the
+  system prompt, so a system prompt shared by every request cannot collapse all traffic onto one
+  node, while a conversation, which resends its history, keeps its key on every turn. For completions it is the chain hash at ``KEY_CHUNKS`` chunks
   (or the last full chunk, or the whole prompt when shorter).
 """
 
@@ -29,6 +30,7 @@ CHUNK_BYTES = 512
 MAX_CHUNKS = 256  # 128 KB (~32k tokens): deep enough to tell prompts apart, bounded cost
 KEY_BYTES = 1024
 KEY_CHUNKS = 16
+KEY_VERBATIM = 64  # longer session values become their md5, so Redis keys and local memory stay bounded
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,13 @@ class Features:
 def utf8(text: str) -> bytes:
     """Bytes of client text for hashing; a lone surrogate passes through as the bytes Nginx saw."""
     return text.encode("utf-8", "surrogatepass")
+
+
+def session_key(kind: str, value: str) -> str:
+    """``h:abc`` for a short value, ``h#<md5 hex>`` for a long one."""
+    if len(utf8(value)) <= KEY_VERBATIM:
+        return f"{kind}:{value}"
+    return f"{kind}#" + hashlib.md5(utf8(value), usedforsecurity=False).hexdigest()
 
 
 def _md5_16(data: bytes) -> str:
@@ -113,9 +122,9 @@ def extract(
         header_value = next((v for k, v in headers.items() if k.lower() == wanted), None)
     user = body.get("user")
     if header_value:
-        key, source = "h:" + header_value, "header"
+        key, source = session_key("h", header_value), "header"
     elif isinstance(user, str) and user:
-        key, source = "u:" + user, "user"
+        key, source = session_key("u", user), "user"
     elif first_user is not None:
         key, source = "p:" + _md5_16(utf8(first_user)[:KEY_BYTES]), "prefix"
     elif hashes:

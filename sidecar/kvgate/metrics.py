@@ -51,6 +51,12 @@ class SidecarMetrics:
         self.backend_inflight = Gauge(
             "kvgate_backend_inflight", "Requests routed and not yet reported.", ["backend"], registry=r
         )
+        self.ejections = Counter(
+            "kvgate_backend_ejections",
+            "Backends ejected by passive health (outlier detection).",
+            ["backend"],
+            registry=r,
+        )
         self.ring_rebuilds = Counter(
             "kvgate_ring_rebuilds", "Rings built after membership changes.", registry=r
         )

@@ -37,9 +37,11 @@ class NginxSettings:
     route_headers: bool = True
     max_tries: int = 3
     retry_deadline: str = "10s"
-    connect_timeout: str = "2s"
+    connect_timeout_ms: int = 2000
     upstream_keepalive_timeout: str = "4s"  # below the backends' idle close (vLLM: 5 s)
-    read_timeout: str = "600s"
+    first_byte_timeout_ms: int = 60_000  # per try; streams: also every later silence (see conf.lua)
+    token_timeout_ms: int = 100  # JSON responses: added per requested token to the first-byte wait
+    max_read_timeout_ms: int = 600_000
     client_max_body_size: str = "16m"
     client_body_buffer_size: str = "4m"
     access_log: bool = False
@@ -86,9 +88,11 @@ def render(
         "route_headers": "true" if settings.route_headers else "false",
         "max_tries": str(settings.max_tries),
         "retry_deadline": settings.retry_deadline,
-        "connect_timeout": settings.connect_timeout,
+        "connect_timeout_ms": str(settings.connect_timeout_ms),
         "upstream_keepalive_timeout": settings.upstream_keepalive_timeout,
-        "read_timeout": settings.read_timeout,
+        "first_byte_timeout_ms": str(settings.first_byte_timeout_ms),
+        "token_timeout_ms": str(settings.token_timeout_ms),
+        "max_read_timeout_ms": str(settings.max_read_timeout_ms),
         "client_max_body_size": settings.client_max_body_size,
         "client_body_buffer_size": settings.client_body_buffer_size,
         "conf_dir": str(out_dir.absolute()),

@@ -277,6 +277,9 @@ def kvgate(req: Request, snap: Snapshot, limit: int) -> Decision:
     else:
         reason = Reason.LOAD
     fallbacks = _with_fallbacks([primary], walk, limit)
+    if bound == primary:
+        # Saturated, but nowhere has more room: staying is no rebind (nothing to write, nothing moved).
+        return Decision(fallbacks, Reason.SESSION, SessionAction.KEEP)
     if bound is not None:
         cause = RebindCause.GONE if bound not in snap.nodes else RebindCause.SATURATED
         return Decision(fallbacks, reason, SessionAction.REBIND, cause)

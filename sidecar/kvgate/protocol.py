@@ -26,7 +26,7 @@ Every decision ends in exactly one outcome of kind ``end`` or ``drop``; ``first`
 response byte and ``try`` a failed attempt on an earlier candidate::
 
     {"k":"first","i":id,"b":backend}
-    {"k":"end","i":id,"b":backend,"s":status,"x":bytes sent,"t":ttft s (streams),"d":duration s}
+    {"k":"end","i":id,"b":backend,"s":status,"x":bytes sent,"t":ttft s (streams),"d":duration s,"c":cut}
     {"k":"try","b":backend,"s":status}
     {"k":"drop","i":id}
 
@@ -88,6 +88,7 @@ class Outcome:
     sent: bool = False  # whether response bytes reached the client
     ttft: float | None = None  # streams: first body byte, seconds from the request's start
     duration: float | None = None  # seconds from the request's start to its end
+    cut: bool = False  # the backend closed the response before its end
 
     @classmethod
     def first(cls, decision_id: str, backend: str) -> Outcome:
@@ -102,8 +103,9 @@ class Outcome:
         sent: bool = True,
         ttft: float | None = None,
         duration: float | None = None,
+        cut: bool = False,
     ) -> Outcome:
-        return cls(OutcomeKind.END, decision_id, backend, status, sent, ttft, duration)
+        return cls(OutcomeKind.END, decision_id, backend, status, sent, ttft, duration, cut)
 
     @classmethod
     def tried(cls, backend: str, status: int) -> Outcome:
@@ -237,7 +239,13 @@ def decode_outcome(d: Any) -> Outcome:
         return Outcome.tried(backend, status)
     decision_id = None if d.get("i") is None else _id(d.get("i"), "i")
     return Outcome.end(
-        decision_id, backend, status, bool(d.get("x")), _seconds(d.get("t")), _seconds(d.get("d"))
+        decision_id,
+        backend,
+        status,
+        bool(d.get("x")),
+        _seconds(d.get("t")),
+        _seconds(d.get("d")),
+        d.get("c") is True,
     )
 
 
@@ -303,6 +311,8 @@ def encode_outcome(o: Outcome) -> dict[str, Any]:
         out["t"] = o.ttft
     if o.duration is not None:
         out["d"] = o.duration
+    if o.cut:
+        out["c"] = True
     return out
 
 

@@ -12,9 +12,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvgate.config import BackendSpec, RoutingConfig, ScrapeConfig
+from kvgate.config import BackendSpec, OutlierConfig, RoutingConfig, ScrapeConfig
 from kvgate.load import LoadView, Scraped, spare_capacity, view
 from kvgate.metrics import SidecarMetrics
+from kvgate.outliers import OutlierDetector, OutlierState, failure_reason
 from kvgate.policies import NodeView, Snapshot
 from kvgate.protocol import Candidate
 from kvgate.ring import Ring
@@ -38,13 +39,26 @@ class BackendState:
     ttft_ewma: float | None = None
     errors: int = 0
     address: str = ""  # host:port for Nginx, parsed once
+    outlier: OutlierState = field(default_factory=OutlierState)
 
     def __post_init__(self) -> None:
         self.address = self.spec.address
 
     @property
+    def ejected(self) -> bool:
+        return self.outlier.ejected_until is not None
+
+    @property
     def eligible(self) -> bool:
-        return self.healthy and not self.draining
+        return self.healthy and not self.draining and not self.ejected
+
+    @property
+    def state(self) -> str:
+        if self.draining:
+            return "draining"
+        if not self.healthy:
+            return "unhealthy"
+        return "ejected" if self.ejected else "healthy"
 
 
 @dataclass(slots=True)
@@ -59,6 +73,7 @@ class Registry:
     scrape: ScrapeConfig
     routing: RoutingConfig
     metrics: SidecarMetrics
+    outliers: OutlierDetector = field(default_factory=lambda: OutlierDetector(OutlierConfig()))
     backends: dict[str, BackendState] = field(default_factory=dict)
     ring: Ring = field(default_factory=lambda: Ring({}))
     peers_version: int = 0
@@ -125,7 +140,7 @@ class Registry:
             self._rebuild()
 
     def failure(self, bid: str, error: str) -> None:
-        """A failed scrape or health check, or a connection failure Nginx reported."""
+        """A failed scrape or health check (active health; request failures are ``outcome``'s)."""
         s = self.backends.get(bid)
         if s is None:
             return
@@ -246,14 +261,36 @@ class Registry:
     def inflight_total(self) -> int:
         return len(self._inflight)
 
-    def outcome(self, bid: str, status: int, ttft: float | None) -> None:
+    def outcome(self, bid: str, status: int, ttft: float | None, cut: bool = False, now: float = 0.0) -> None:
+        """One request's result on ``bid``, for its TTFT average and its passive health."""
         s = self.backends.get(bid)
         if s is None:
             return
         if ttft is not None and ttft > 0:
             s.ttft_ewma = ttft if s.ttft_ewma is None else 0.8 * s.ttft_ewma + 0.2 * ttft
-        if status >= 500 or status == 0:
+        reason = failure_reason(status, cut)
+        if reason is not None:
             s.errors += 1
+        fleet = [b for b in self.backends.values() if b.healthy and not b.draining]
+        ejected = sum(1 for b in fleet if b.ejected)
+        if self.outliers.record(s.outlier, reason, now, ejected, len(fleet)):
+            assert s.outlier.ejected_until is not None
+            logger.warning(
+                "backend %s ejected for %.0fs after %d failure(s) in a row (last: %s)",
+                bid,
+                s.outlier.ejected_until - now,
+                s.outlier.consecutive,
+                reason,
+            )
+            self.metrics.ejections.labels(bid).inc()
+            self._rebuild()
+
+    def tick(self, now: float) -> None:
+        """Readmit backends whose ejection is over (on probation); runs with every scrape round."""
+        back = [bid for bid, s in self.backends.items() if self.outliers.expire(s.outlier, now)]
+        if back:
+            logger.warning("backend(s) %s back from ejection, on probation", ", ".join(back))
+            self._rebuild()
 
     def describe(self, now: float) -> list[dict[str, object]]:
         out = []
@@ -266,7 +303,7 @@ class Registry:
                     "url": s.spec.url,
                     "weight": s.spec.weight,
                     "labels": dict(s.spec.labels),
-                    "state": "draining" if s.draining else ("healthy" if s.healthy else "unhealthy"),
+                    "state": s.state,
                     "models": sorted(s.models),
                     "inflight": self.inflight.get(bid, 0),
                     "inflight_tokens": self.inflight_tokens.get(bid, 0),
@@ -281,6 +318,15 @@ class Registry:
                     "ttft_ewma_s": s.ttft_ewma,
                     "errors": s.errors,
                     "last_error": s.last_error,
+                    "outlier": {
+                        "consecutive_failures": s.outlier.consecutive,
+                        "ejections": s.outlier.ejections,
+                        "ejected_for_s": None
+                        if s.outlier.ejected_until is None
+                        else round(max(0.0, s.outlier.ejected_until - now), 3),
+                        "probation": s.outlier.probation,
+                        "last_failure": s.outlier.last_reason,
+                    },
                 }
             )
         return out

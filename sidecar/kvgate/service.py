@@ -167,11 +167,9 @@ class DecisionService:
                 self.registry.finish(o.decision_id)
             if not o.backend:
                 continue
-            self.registry.outcome(o.backend, o.status, o.ttft)
-            self.metrics.outcomes.labels(o.backend, str(o.status)).inc()
+            self.registry.outcome(o.backend, o.status, o.ttft, o.cut, now)
+            self.metrics.outcomes.labels(o.backend, "cut" if o.cut else str(o.status)).inc()
             if o.ttft is not None:
                 self.metrics.ttft.labels(o.backend).observe(o.ttft)
             elif o.duration is not None and o.kind is OutcomeKind.END:
                 self.metrics.e2e.labels(o.backend).observe(o.duration)
-            if o.status in (0, 502, 504) and not o.sent:
-                self.registry.failure(o.backend, f"gateway saw status {o.status}")

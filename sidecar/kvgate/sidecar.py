@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from kvgate.config import Config
 from kvgate.metrics import SidecarMetrics
+from kvgate.outliers import OutlierDetector
 from kvgate.prefix_index import PrefixIndex
 from kvgate.registry import Registry
 from kvgate.service import DecisionService
@@ -32,7 +33,7 @@ class Sidecar:
 def build_sidecar(config: Config, redis: aioredis.Redis | None) -> Sidecar:
     """The routing core over ``config``; ``redis`` None keeps sessions in process memory only."""
     metrics = SidecarMetrics()
-    registry = Registry(config.scrape, config.routing, metrics)
+    registry = Registry(config.scrape, config.routing, metrics, OutlierDetector(config.outlier))
     sessions = SessionStore(config.redis, metrics, redis)
     index = PrefixIndex(config.routing.prefix_index_blocks)
     service = DecisionService(config, registry, sessions, index, metrics)

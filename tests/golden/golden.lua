@@ -50,7 +50,7 @@ local function run_protocol()
                 items[j] = protocol.first(o.decision_id, o.backend)
             elseif o.kind == "end" then
                 items[j] = protocol.ended(nn(o.decision_id), o.backend, o.status, o.sent, nn(o.ttft),
-                                          nn(o.duration))
+                                          nn(o.duration), o.cut)
             elseif o.kind == "try" then
                 items[j] = protocol.tried(o.backend, o.status)
             else

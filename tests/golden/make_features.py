@@ -59,6 +59,15 @@ CASES = [
         "body": {"model": "m", "user": "u1", "messages": [{"role": "user", "content": "x"}]},
     },
     {
+        "name": "long session header is hashed",
+        "headers": {"X-Session-ID": "s" * 65},
+        "body": {"model": "m", "messages": [{"role": "user", "content": "x"}]},
+    },
+    {
+        "name": "long user is hashed",
+        "body": {"model": "m", "user": "ü" * 40, "messages": [{"role": "user", "content": "x"}]},
+    },
+    {
         "name": "user field",
         "body": {"model": "m", "user": "alice", "messages": [{"role": "user", "content": "x"}]},
     },

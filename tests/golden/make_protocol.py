@@ -44,6 +44,7 @@ OUTCOMES = [
     (Outcome.tried("sim-0", 502), Outcome.end("1a2b.5f3c.7", "sim-1", 200, True, 0.25, 1.5)),
     (Outcome.end("1a2b.5f3c.9", "sim-2", 504, False, None, 1.0),),
     (Outcome.end(None, "sim-2", 200, True, None, 0.125),),  # fail-open: no decision
+    (Outcome.end("1a2b.5f3c.10", "sim-0", 200, True, 0.5, 0.75, cut=True),),
     (Outcome.drop("1a2b.5f3c.8"),),
 ]
 REPLIES = [
@@ -80,6 +81,7 @@ def outcome(o: Outcome) -> dict[str, object]:
         "sent": o.sent,
         "ttft": o.ttft,
         "duration": o.duration,
+        "cut": o.cut,
     }
 
 

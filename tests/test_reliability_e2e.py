@@ -1,0 +1,202 @@
+"""Never the reason a request fails: what the gateway accepts, what counts against a backend, and
+what a backend that cuts, hangs or fails costs the clients. All through real Nginx, sidecar, Redis and
+simulated backends."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+import redis
+from kvgate.tools.launcher import Supervisor, free_port
+
+from tests.conftest import MODEL, http_json, wait_until
+from tests.helpers import Gateway, chat, start_backends
+
+pytestmark = pytest.mark.e2e
+
+
+class Stack:
+    def __init__(self, sup: Supervisor, n: int = 3, **kw: Any) -> None:
+        self.redis_port = free_port()
+        sup.start_redis(self.redis_port)
+        self.sim = start_backends(sup, n)
+        self.n = n
+        self.gw = Gateway(sup, "gw", self.redis_port, self.sim, n, **kw)
+
+    def url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.sim + i}"
+
+    def fault(self, i: int, **f: Any) -> None:
+        assert http_json("POST", self.url(i) + "/sim/faults", f)[0] == 200
+
+    def backends(self) -> dict[str, dict[str, Any]]:
+        return self.gw.sidecar.backends()
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    sup = Supervisor(tmp_path_factory.mktemp("reliability") / "run")
+    try:
+        yield Stack(sup)
+    finally:
+        sup.stop_all()
+
+
+def raw(port: int, request: bytes) -> tuple[int, Any]:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    if b"chunked" in head.lower():
+        size, _, rest = body.partition(b"\r\n")
+        body = rest[: int(size, 16)]
+    return status, json.loads(body)
+
+
+def post(port: int, body: bytes, extra: str = "") -> tuple[int, Any]:
+    return raw(
+        port,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\n"
+        + extra.encode()
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body,
+    )
+
+
+MSG = b'"messages":[{"role":"user","content":"hi"}]'
+
+
+@pytest.mark.parametrize(
+    "body, extra, param",
+    [
+        (b"[1, 2]", "", None),
+        (b'{"model":"sim-model",' + MSG + b',"max_tokens":NaN}', "", None),
+        (b'{"model":"sim-model",' + MSG + b',"max_tokens":0x10}', "", None),
+        (b'{"model":"sim-model",' + MSG + b',"max_tokens":1e400}', "", "max_tokens"),
+        (b'{"model":"sim-model",' + MSG + b',"max_tokens":"5"}', "", "max_tokens"),
+        (b'{"model":"sim-model",' + MSG + b',"max_tokens":2.5}', "", "max_tokens"),
+        (b'{"model":"sim-model",' + MSG + b',"stream":"yes"}', "", "stream"),
+        (b'{"model":["x"],' + MSG + b"}", "", "model"),
+        (b'{"model":"sim-model","user":"' + b"u" * 513 + b'",' + MSG + b"}", "", "user"),
+        (b'{"model":"sim-model",' + MSG + b"}", "X-Session-ID: " + "s" * 513 + "\r\n", None),
+        (b'{"model":"sim-model",' + MSG + b"}", "X-Session-ID: a\r\nX-Session-ID: b\r\n", None),
+        (b'{"a":' * 70 + b"1" + b"}" * 70, "", None),
+    ],
+)
+def test_what_the_gateway_does_not_accept_is_a_json_400(
+    shared: Stack, body: bytes, extra: str, param: str | None
+) -> None:
+    status, err = post(shared.gw.port, body, extra)
+    assert status == 400 and err["error"]["code"] == 400 and err["error"]["param"] == param, err
+
+
+def test_a_request_without_host_gets_a_json_400_from_the_gateway(shared: Stack) -> None:
+    body = b'{"model":"sim-model",' + MSG + b"}"
+    status, err = raw(
+        shared.gw.port,
+        b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        % len(body)
+        + body,
+    )
+    assert status == 400 and "Host" in err["error"]["message"]
+
+
+def test_long_session_values_are_stored_as_a_fixed_size_hash(shared: Stack) -> None:
+    user = "user-" + "x" * 400
+    status, _ = post(shared.gw.port, json.dumps({**chat(1, 1), "user": user}).encode())
+    assert status == 200
+    r = redis.Redis(port=shared.redis_port, socket_timeout=2)
+    keys = [k.decode() for k in r.scan_iter("kvgate:s:*")]
+    r.close()
+    assert not any(user in k for k in keys)
+    assert any(k.startswith("kvgate:s:u#") and len(k) == len("kvgate:s:u#") + 32 for k in keys), keys
+
+
+def test_clients_that_leave_before_the_first_byte_never_eject_a_healthy_backend(shared: Stack) -> None:
+    """An abort storm: 60 clients reset their connection during prefill; every backend stays in."""
+    body = chat(77, 1)
+    body["messages"][-1]["content"] = " ".join(f"w{i}" for i in range(6000))
+    body.update(stream=True, max_tokens=4)
+    data = json.dumps(body).encode()
+
+    def abort() -> None:
+        with socket.create_connection(("127.0.0.1", shared.gw.port), timeout=10) as s:
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(data) + data
+            )
+            s.recv(10)  # the headers are coming: the request reached a backend
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+
+    threads = [threading.Thread(target=abort) for _ in range(60)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    wait_until(lambda: sum(b["inflight"] for b in shared.backends().values()) == 0, timeout=10)
+    states = {b["id"]: (b["state"], b["outlier"]["consecutive_failures"]) for b in shared.backends().values()}
+    assert all(state == "healthy" and fails == 0 for state, fails in states.values()), states
+    assert http_json("POST", shared.gw.url + "/v1/chat/completions", chat(78, 1))[0] == 200
+
+
+def test_a_backend_that_cuts_streams_is_ejected_and_clients_get_an_error_event(stack: Supervisor) -> None:
+    s = Stack(stack, n=3)
+    s.fault(1, abort_after_tokens=3)
+    client = openai.OpenAI(base_url=s.gw.url + "/v1", api_key="x", max_retries=0, timeout=20)
+    errors: list[str] = []
+    for i in range(40):
+        try:
+            for _ in client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": f"conversation {i}"}],
+                max_tokens=8,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
+                pass
+        except openai.APIError as exc:
+            errors.append(str(exc))
+        if s.backends()["sim-1"]["state"] == "ejected":
+            break
+    wait_until(lambda: s.backends()["sim-1"]["state"] == "ejected", timeout=5)
+    b = s.backends()["sim-1"]
+    assert b["outlier"]["last_failure"] == "cut stream" and b["outlier"]["ejections"] == 1
+    assert errors and all("closed the stream before it finished" in e for e in errors), errors[:3]
+    metrics = http_json("GET", s.gw.sidecar.http + "/metrics")[1]
+    assert 'kvgate_backend_ejections_total{backend="sim-1"} 1.0' in metrics
+    # While it is out, nothing goes there.
+    for i in range(12):
+        r = http_json("POST", s.gw.url + "/v1/chat/completions", chat(500 + i, 1))
+        assert r[0] == 200
+
+
+def test_a_hung_backend_costs_a_stream_the_first_byte_timeout_then_the_next_candidate(
+    stack: Supervisor,
+) -> None:
+    """The backend accepts and stays silent (its /health still answers, so only requests tell): each
+    stream waits one first-byte timeout there at most, then is answered by the other backend."""
+    import time
+
+    s = Stack(stack, n=2, first_byte_timeout_ms=1000)
+    s.fault(0, latency_ms=30_000)
+    for i in range(6):
+        body = {**chat(900 + i, 1), "stream": True}
+        t0 = time.monotonic()
+        status, text = http_json("POST", s.gw.url + "/v1/chat/completions", body, timeout=10)
+        assert status == 200 and "[DONE]" in str(text)
+        assert time.monotonic() - t0 < 2.5
+    timeouts = http_json("GET", s.gw.sidecar.http + "/metrics")[1]
+    assert 'kvgate_outcomes_total{backend="sim-0",status="504"}' in timeouts
