@@ -15,8 +15,9 @@ are checked against ``tests/golden/features.json``.
   ``KEY_VERBATIM`` bytes is kept as its md5 (``h#``/``u#``), so no client can store a megabyte key.
   For chat the derived key hashes the first user message (its first ``KEY_BYTES``), never the
   system prompt, so a system prompt shared by every request cannot collapse all traffic onto one
-  node, while a conversation, which resends its history, keeps its key on every turn. For completions it is the chain hash at ``KEY_CHUNKS`` chunks
-  (or the last full chunk, or the whole prompt when shorter).
+  node, while a conversation, which resends its history, keeps its key on every turn. For
+  completions it is the chain hash at ``KEY_CHUNKS`` chunks (or the last full chunk, or the whole
+  prompt when shorter).
 """
 
 from __future__ import annotations
