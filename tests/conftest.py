@@ -50,6 +50,29 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0, every: float = 0
     raise AssertionError(f"condition not met within {timeout}s")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _traversable_temp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Started as root, Nginx's workers run as nobody and must reach sockets in the tests' temporary
+    directories, which pytest creates 0700: let others through them (not list them)."""
+    base = tmp_path_factory.getbasetemp()
+    for d in (base.parent, base):
+        d.chmod(d.stat().st_mode | 0o011)
+    original = tmp_path_factory.mktemp
+
+    def mktemp(basename: str, numbered: bool = True) -> Path:
+        path = original(basename, numbered)
+        path.chmod(path.stat().st_mode | 0o011)
+        return path
+
+    tmp_path_factory.mktemp = mktemp  # type: ignore[method-assign]
+
+
+@pytest.fixture
+def tmp_path(tmp_path: Path) -> Path:
+    tmp_path.chmod(tmp_path.stat().st_mode | 0o011)
+    return tmp_path
+
+
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Supervisor]:
     """A supervisor of this test's processes, in its own temp dir; everything stops at the end."""

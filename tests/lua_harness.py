@@ -61,6 +61,7 @@ class MockSidecar:
                     self.wfile.flush()
 
         self.server = socketserver.ThreadingUnixStreamServer(str(path), Handler)
+        path.chmod(0o666)  # Nginx's workers may be another user (nobody, when tests run as root)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()

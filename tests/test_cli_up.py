@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,24 @@ pytestmark = pytest.mark.e2e
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 
 
-def test_up_serves_the_demo_and_down_stops_everything(tmp_path: Path) -> None:
+def pid_listening(port: int) -> int | None:
+    """The pid of the process listening on a TCP port of this machine, from /proc."""
+    from kvgate.tools.launcher import _tcp_listen_inodes
+
+    inodes = {f"socket:[{i}]" for i in _tcp_listen_inodes(port)}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            for fd in (entry / "fd").iterdir():
+                if os.readlink(fd) in inodes:
+                    return int(entry.name)
+        except OSError:
+            continue
+    return None
+
+
+def test_up_serves_the_demo_restarts_what_dies_and_down_stops_everything(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     port, sim, redis, sidecar = free_port(), free_ports(2), free_port(), free_port()
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - closed below
@@ -52,6 +71,24 @@ def test_up_serves_the_demo_and_down_stops_everything(tmp_path: Path) -> None:
         )
         assert status == 200 and body["usage"]["completion_tokens"] <= 3
         assert len(http_json("GET", f"http://127.0.0.1:{sidecar}/v1/backends")[1]["backends"]) == 2
+        chat = {
+            "model": "meta-llama/Llama-3.1-8B-Instruct",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "Hello again"}],
+        }
+        # A child that dies is restarted; meanwhile the gateway keeps answering (fail-open).
+        for name, port_of in (("kvgate-sidecar", sidecar), ("redis", redis)):
+            old = pid_listening(port_of)
+            os.kill(old, signal.SIGKILL)
+            for _ in range(5):
+                assert http_json("POST", f"http://127.0.0.1:{port}/v1/chat/completions", chat)[0] == 200
+            wait_until(lambda name=name: f"{name} restarted" in (tmp_path / "up.log").read_text(), timeout=15)
+            assert pid_listening(port_of) not in (None, old)
+        wait_until(
+            lambda: http_json("GET", f"http://127.0.0.1:{sidecar}/healthz")[1]["redis"] == "ok", timeout=10
+        )
+        status, _ = http_json("POST", f"http://127.0.0.1:{port}/v1/chat/completions", chat)
+        assert status == 200
         assert (
             subprocess.run(
                 [KVGATE, "up", "--run-dir", str(run_dir)], capture_output=True, timeout=30

@@ -265,6 +265,13 @@ def test_http_api_serves_health_backends_models_and_decisions(redis_url: str) ->
             r = await client.post("/v1/decide", json={"body": chat(1, 1), "headers": {"X-Session-ID": "x"}})
             d = await r.json()
             assert r.status == 200 and d["candidates"][0]["id"] in ("b0", "b1") and d["session"] == "bind"
+            # A dry run: nothing bound, nothing in flight, so it says "bind" again.
+            again = await (
+                await client.post("/v1/decide", json={"body": chat(1, 1), "headers": {"X-Session-ID": "x"}})
+            ).json()
+            assert again["session"] == "bind" and again["candidates"] == d["candidates"]
+            backends = (await (await client.get("/v1/backends")).json())["backends"]
+            assert all(b["inflight"] == 0 for b in backends)
             r = await client.post("/v1/decide", json={"body": {"model": "nope", "prompt": "x"}})
             assert r.status == 404 and (await r.json())["error"]["code"] == 404
             r = await client.post("/v1/decide", data=b"not json")

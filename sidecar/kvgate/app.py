@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -22,7 +23,7 @@ from redis.retry import Retry
 from kvgate.config import Config
 from kvgate.decision_socket import DecisionServer
 from kvgate.http_api import HttpApi
-from kvgate.membership import Membership
+from kvgate.membership import AddressPolicy, Membership
 from kvgate.metrics import SidecarMetrics
 from kvgate.registry import Registry
 from kvgate.scraper import ScrapeError, scrape, served_models
@@ -44,8 +45,16 @@ def redis_client(config: Config) -> aioredis.Redis | None:
     rc = config.redis
     if rc.url is None:
         return None
+    tls: dict[str, Any] = {"ssl_ca_certs": rc.tls_ca_file} if rc.url.startswith("rediss://") else {}
+    credentials: dict[str, Any] = {}
+    if rc.username is not None:
+        credentials["username"] = rc.username
+    if rc.password is not None:
+        credentials["password"] = rc.password
     return aioredis.Redis.from_url(
         rc.url,
+        **credentials,
+        **tls,
         socket_timeout=rc.timeout_s,
         socket_connect_timeout=rc.connect_timeout_s,
         retry=Retry(NoBackoff(), 0),
@@ -105,7 +114,8 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
     client = redis_client(config)
     core = build_sidecar(config, client)
     metrics, registry, sessions, service = core.metrics, core.registry, core.sessions, core.service
-    membership = Membership(client, config.redis.prefix, registry, metrics)
+    policy = AddressPolicy(config.membership, config.backends)
+    membership = Membership(client, config.redis.prefix, registry, metrics, policy)
     app[SERVICE] = service
     app[REGISTRY] = registry
     app[MEMBERSHIP] = membership
@@ -148,7 +158,7 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
     async def socket_ctx(app: web.Application) -> AsyncIterator[None]:
         server = DecisionServer(service, registry)
         Path(config.listen.socket).parent.mkdir(parents=True, exist_ok=True)
-        await server.start(config.listen.socket)
+        await server.start(config.listen.socket, config.listen.socket_group)
         yield
         await server.stop()
 

@@ -41,13 +41,8 @@ def cmd_render(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvgate: invalid config: {exc}", file=sys.stderr)
         return 2
-    settings = NginxSettings(
-        lua_dir=args.lua_dir,
-        listen=args.listen,
-        socket=config.listen.socket,
-        run_dir=args.run_dir,
-        session_header=config.routing.session_header,
-        max_tries=config.routing.max_candidates,
+    settings = NginxSettings.from_config(
+        config, lua_dir=args.lua_dir, listen=args.listen, run_dir=args.run_dir
     )
     main = render(settings, Path(args.out), standalone=not args.drop_in, openresty=args.openresty or None)
     print(f"wrote {main.parent}/ ({'include files only' if args.drop_in else 'standalone nginx.conf'})")

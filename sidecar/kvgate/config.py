@@ -6,7 +6,9 @@ parses units. Errors name the bad key and say how to fix it.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -118,6 +120,9 @@ class BackendSpec:
 
 @dataclass(frozen=True, slots=True)
 class RedisConfig:
+    """Redis holds session bindings and membership: it must be private to the gateway replicas
+    (a client of it can redirect traffic). AUTH/ACL users and TLS (``rediss://``) are supported."""
+
     url: str | None = DEFAULT_REDIS_URL
     timeout_s: float = 0.02  # per command: a routing decision never waits longer on Redis
     connect_timeout_s: float = 0.05
@@ -125,6 +130,9 @@ class RedisConfig:
     session_ttl_s: float = 3600.0
     prefix: str = "kvgate"
     local_sessions: int = 100_000  # bound of the in-process session map used while Redis is down
+    username: str | None = None  # an ACL user (or in the URL)
+    password: str | None = field(default=None, repr=False)  # or password_file, KVGATE_REDIS_PASSWORD
+    tls_ca_file: str | None = None  # CA for a rediss:// server's certificate (default: the system's)
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> RedisConfig:
@@ -140,11 +148,28 @@ class RedisConfig:
                 "session_ttl_s",
                 "prefix",
                 "local_sessions",
+                "username",
+                "password",
+                "password_file",
+                "tls_ca_file",
             },
         )
         url = d.get("url", DEFAULT_REDIS_URL)
-        if url is not None and (not isinstance(url, str) or not url.startswith(("redis://", "unix://"))):
-            raise ConfigError(f"{w}.url: {url!r} must start with redis:// or unix:// (or be null)")
+        if url is not None and (
+            not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://"))
+        ):
+            raise ConfigError(f"{w}.url: {url!r} must start with redis://, rediss:// or unix:// (or be null)")
+        password = d.get("password")
+        if d.get("password_file") is not None:
+            if password is not None:
+                raise ConfigError(f"{w}: give password or password_file, not both")
+            try:
+                password = Path(str(d["password_file"])).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"{w}.password_file: cannot read it: {exc.strerror}") from None
+        ca = d.get("tls_ca_file")
+        if ca is not None and not Path(str(ca)).is_file():
+            raise ConfigError(f"{w}.tls_ca_file: {ca!r} is not a file")
         return cls(
             url=url,
             timeout_s=_ms(d, w, "timeout_ms", 20, 1, 5000),
@@ -153,6 +178,9 @@ class RedisConfig:
             session_ttl_s=_num(d, w, "session_ttl_s", 3600, 1, 30 * 86400),
             prefix=str(d.get("prefix", "kvgate")),
             local_sessions=_int(d, w, "local_sessions", 100_000, 100, 10_000_000),
+            username=None if d.get("username") is None else str(d["username"]),
+            password=None if password is None else str(password),
+            tls_ca_file=None if ca is None else str(ca),
         )
 
 
@@ -293,6 +321,9 @@ class RoutingConfig:
 @dataclass(frozen=True, slots=True)
 class ListenConfig:
     socket: str = DEFAULT_SOCKET  # decision protocol, for Nginx
+    # The group that may use the socket (mode 0660): Nginx's workers' group, when they run as another
+    # user than the sidecar. None: the sidecar's own group.
+    socket_group: str | None = None
     http_host: str = "127.0.0.1"  # admin, metrics and /v1/backends
     http_port: int = 9100
     admin_token: str | None = None
@@ -300,13 +331,15 @@ class ListenConfig:
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> ListenConfig:
         w = "listen"
-        _check_keys(d, w, {"socket", "http_host", "http_port", "admin_token"})
+        _check_keys(d, w, {"socket", "socket_group", "http_host", "http_port", "admin_token"})
         host = str(d.get("http_host", "127.0.0.1"))
         if host not in ("127.0.0.1", "::1", "localhost"):
             raise ConfigError(f"{w}.http_host: {host!r} is not loopback; the sidecar API is local only")
         token = d.get("admin_token")
+        group = d.get("socket_group")
         return cls(
             socket=str(d.get("socket", DEFAULT_SOCKET)),
+            socket_group=None if group is None else str(group),
             http_host=host,
             http_port=_int(d, w, "http_port", 9100, 0, 65535),
             admin_token=None if token is None else str(token),
@@ -314,12 +347,91 @@ class ListenConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MembershipConfig:
+    """Which addresses a backend may have. Membership is shared through Redis, and anyone who can
+    write to that Redis could otherwise send prompts anywhere: entries whose host matches none of
+    ``allow`` (exact hosts or IPs, CIDR blocks, ``*`` globs) are ignored. Empty: the hosts of the
+    config's own backends."""
+
+    allow: tuple[str, ...] = ()
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> MembershipConfig:
+        w = "membership"
+        _check_keys(d, w, {"allow"})
+        allow = d.get("allow") or []
+        if not isinstance(allow, list) or not all(isinstance(a, str) and a for a in allow):
+            raise ConfigError(
+                f"{w}.allow: expected a list of hosts, CIDR blocks or globs like *.svc.cluster.local"
+            )
+        for pattern in allow:
+            if "/" in pattern:
+                try:
+                    ipaddress.ip_network(pattern, strict=False)
+                except ValueError:
+                    raise ConfigError(f"{w}.allow: {pattern!r} is not a CIDR block like 10.0.0.0/8") from None
+        return cls(tuple(allow))
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Nginx's side of kvgate, written into its config by ``kvgate render-nginx`` and ``kvgate up``."""
+
+    route_headers: bool = True  # X-Kvgate-Backend and X-Kvgate-Route: which backend served, and why
+    decision_timeout_ms: int = 50  # the whole budget of one call to the sidecar, then fail-open
+    first_byte_timeout_ms: int = (
+        60_000  # per try (streams: also every later silence; see lua/kvgate/conf.lua)
+    )
+    token_timeout_ms: int = 100  # JSON responses come whole: each requested token adds this much
+    max_read_timeout_ms: int = 600_000
+    client_max_body_size: str = "16m"
+    # When Nginx starts as root, its workers run as this user (and the socket group's members): never
+    # root. None: nobody.
+    worker_user: str | None = None
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> GatewayConfig:
+        w = "gateway"
+        _check_keys(
+            d,
+            w,
+            {
+                "route_headers",
+                "decision_timeout_ms",
+                "first_byte_timeout_ms",
+                "token_timeout_ms",
+                "max_read_timeout_ms",
+                "client_max_body_size",
+                "worker_user",
+            },
+        )
+        headers = d.get("route_headers", True)
+        if not isinstance(headers, bool):
+            raise ConfigError(f"{w}.route_headers: expected true or false, got {headers!r}")
+        size = str(d.get("client_max_body_size", "16m"))
+        if not re.fullmatch(r"[0-9]+[kKmMgG]?", size):
+            raise ConfigError(f"{w}.client_max_body_size: {size!r} is not an Nginx size like 16m or 512k")
+        user = d.get("worker_user")
+        return cls(
+            route_headers=headers,
+            decision_timeout_ms=_int(d, w, "decision_timeout_ms", 50, 1, 10_000),
+            first_byte_timeout_ms=_int(d, w, "first_byte_timeout_ms", 60_000, 100, 3_600_000),
+            token_timeout_ms=_int(d, w, "token_timeout_ms", 100, 0, 60_000),
+            max_read_timeout_ms=_int(d, w, "max_read_timeout_ms", 600_000, 100, 86_400_000),
+            client_max_body_size=size,
+            worker_user=None if user is None else str(user),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     listen: ListenConfig = ListenConfig()
+    gateway: GatewayConfig = GatewayConfig()
     redis: RedisConfig = RedisConfig()
     scrape: ScrapeConfig = ScrapeConfig()
     outlier: OutlierConfig = OutlierConfig()
     routing: RoutingConfig = RoutingConfig()
+    membership: MembershipConfig = MembershipConfig()
     backends: tuple[BackendSpec, ...] = ()
 
     @classmethod
@@ -327,7 +439,11 @@ class Config:
         if not isinstance(data, Mapping):
             raise ConfigError("the config file must be a YAML mapping (listen:, redis:, backends:, ...)")
         data = _apply_env(data, env or {})
-        _check_keys(data, "config", {"listen", "redis", "scrape", "outlier", "routing", "backends"})
+        _check_keys(
+            data,
+            "config",
+            {"listen", "gateway", "redis", "scrape", "outlier", "routing", "membership", "backends"},
+        )
         raw_backends = data.get("backends") or []
         if not isinstance(raw_backends, list):
             raise ConfigError("backends: expected a list of {url: http://HOST:PORT, weight: 1}")
@@ -337,10 +453,12 @@ class Config:
             raise ConfigError("backends: two backends share an id; give each a distinct id")
         return cls(
             listen=ListenConfig.from_mapping(_section(data, "listen")),
+            gateway=GatewayConfig.from_mapping(_section(data, "gateway")),
             redis=RedisConfig.from_mapping(_section(data, "redis")),
             scrape=ScrapeConfig.from_mapping(_section(data, "scrape")),
             outlier=OutlierConfig.from_mapping(_section(data, "outlier")),
             routing=RoutingConfig.from_mapping(_section(data, "routing")),
+            membership=MembershipConfig.from_mapping(_section(data, "membership")),
             backends=backends,
         )
 
@@ -360,12 +478,18 @@ class Config:
 # Environment overrides: KVGATE_<SECTION>_<KEY>, values parsed as YAML scalars.
 _ENV_KEYS = {
     "KVGATE_REDIS_URL": ("redis", "url"),
+    "KVGATE_REDIS_USERNAME": ("redis", "username"),
+    "KVGATE_REDIS_PASSWORD": ("redis", "password"),
     "KVGATE_LISTEN_SOCKET": ("listen", "socket"),
+    "KVGATE_LISTEN_SOCKET_GROUP": ("listen", "socket_group"),
     "KVGATE_LISTEN_HTTP_PORT": ("listen", "http_port"),
     "KVGATE_ADMIN_TOKEN": ("listen", "admin_token"),
     "KVGATE_ROUTING_POLICY": ("routing", "policy"),
     "KVGATE_SCRAPE_INTERVAL_MS": ("scrape", "interval_ms"),
 }
+
+
+_VERBATIM = {"KVGATE_ADMIN_TOKEN", "KVGATE_REDIS_PASSWORD", "KVGATE_REDIS_USERNAME"}
 
 
 def _apply_env(data: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
@@ -375,6 +499,7 @@ def _apply_env(data: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any
             sect = out.setdefault(section, {})
             if not isinstance(sect, dict):
                 raise ConfigError(f"{section}: expected a mapping (needed for {var})")
-            value = yaml.safe_load(env[var]) if var != "KVGATE_ADMIN_TOKEN" else env[var]
+            # Secrets are taken as written; other values are YAML scalars (numbers, null, ...).
+            value = env[var] if var in _VERBATIM else yaml.safe_load(env[var])
             sect[key] = value
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import logging
 import os
 import time
@@ -43,11 +44,14 @@ class DecisionServer:
         self.server: asyncio.Server | None = None
         self._version_logged = 0.0
 
-    async def start(self, path: str) -> None:
+    async def start(self, path: str, group: str | None = None) -> None:
+        """Listen on ``path``: readable and writable by the sidecar's user and ``group`` only."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a stale socket from a previous run (a local, non-blocking unlink)
         self.server = await asyncio.start_unix_server(self._serve, path=path, limit=MAX_LINE)
         os.chmod(path, 0o660)
+        if group is not None:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
 
     async def stop(self) -> None:
         if self.server is not None:

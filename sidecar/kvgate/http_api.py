@@ -117,7 +117,8 @@ class HttpApi:
         return web.json_response({"version": version, "peers": [p._asdict() for p in peers]})
 
     async def decide(self, request: web.Request) -> web.Response:
-        """Decide for a whole request body (clients other than Nginx, tests, dry runs)."""
+        """What would be decided for a whole request body (explain, tests): a dry run, which writes
+        no binding and counts nothing, so this unauthenticated route cannot move any state."""
         try:
             data = await request.json()
         except ValueError:
@@ -127,7 +128,7 @@ class HttpApi:
         headers = data.get("headers") if isinstance(data.get("headers"), dict) else {}
         f = feats.extract(data["body"], headers, self.config.routing.session_header)
         try:
-            routed = await self.service.decide(f)
+            routed = await self.service.decide(f, dry_run=True)
         except UnknownModel as exc:
             return _error(404, f"The model `{exc}` does not exist.", "NotFoundError")
         d = routed.decision
@@ -158,6 +159,10 @@ class HttpApi:
             spec = BackendSpec.from_mapping(await self._json_body(request), "backend")
         except ConfigError as exc:
             return _error(400, str(exc))
+        if not self.membership.allowed(spec):
+            return _error(
+                400, f"backend host of {spec.url} is not in membership.allow", "invalid_request_error"
+            )
         await self.membership.put(spec, False)
         return web.json_response({"added": spec.id}, status=201)
 

@@ -8,18 +8,46 @@ interval. Without Redis, the sidecar keeps the membership it has and applies loc
 
 from __future__ import annotations
 
+import fnmatch
+import ipaddress
 import json
 import logging
 from collections.abc import Iterable
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from kvgate.config import BackendSpec, ConfigError
+from kvgate.config import BackendSpec, ConfigError, MembershipConfig
 from kvgate.metrics import SidecarMetrics
 from kvgate.registry import Registry
 
 logger = logging.getLogger(__name__)
+
+
+class AddressPolicy:
+    """Which backend hosts may be routed to (``MembershipConfig``)."""
+
+    def __init__(self, config: MembershipConfig, configured: Iterable[BackendSpec]) -> None:
+        patterns = config.allow or tuple(sorted({urlsplit(b.url).hostname or "" for b in configured}))
+        self.patterns = patterns
+        self._networks = []
+        self._names = []
+        for p in patterns:
+            if "/" in p:
+                self._networks.append(ipaddress.ip_network(p, strict=False))
+            else:
+                self._names.append(p.lower())
+
+    def allows(self, spec: BackendSpec) -> bool:
+        host = (urlsplit(spec.url).hostname or "").lower()
+        if any(fnmatch.fnmatchcase(host, name) for name in self._names):
+            return True
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return any(ip in net for net in self._networks)
 
 
 def _encode(spec: BackendSpec, draining: bool) -> str:
@@ -43,8 +71,14 @@ def _decode(raw: str | bytes) -> tuple[BackendSpec, bool]:
 
 class Membership:
     def __init__(
-        self, client: aioredis.Redis | None, prefix: str, registry: Registry, metrics: SidecarMetrics
+        self,
+        client: aioredis.Redis | None,
+        prefix: str,
+        registry: Registry,
+        metrics: SidecarMetrics,
+        policy: AddressPolicy | None = None,
     ) -> None:
+        self.policy = policy
         self.client = client
         self.hash_key = f"{prefix}:backends"
         self.version_key = f"{prefix}:backends:v"
@@ -101,6 +135,15 @@ class Membership:
             except (ValueError, ConfigError) as exc:
                 logger.warning("ignoring a malformed backend entry in Redis: %s", exc)
                 continue
+            if not self.allowed(spec):
+                logger.error(
+                    "ignoring backend %s at %s from Redis: its host is not in membership.allow %s",
+                    spec.id,
+                    spec.url,
+                    list(self.policy.patterns) if self.policy else [],
+                )
+                self.metrics.membership_rejected.inc()
+                continue
             fresh[spec.id] = (spec, draining)
         self.local = fresh
         self.version = version
@@ -115,6 +158,9 @@ class Membership:
             await pipe.execute()
         logger.warning("membership was missing from Redis; republished %d backend(s)", len(self.local))
         self.version = None  # adopt the merged view on the next refresh
+
+    def allowed(self, spec: BackendSpec) -> bool:
+        return self.policy is None or self.policy.allows(spec)
 
     async def put(self, spec: BackendSpec, draining: bool = False) -> None:
         self.local[spec.id] = (spec, draining)

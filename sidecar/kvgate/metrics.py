@@ -57,6 +57,11 @@ class SidecarMetrics:
             ["backend"],
             registry=r,
         )
+        self.membership_rejected = Counter(
+            "kvgate_membership_rejected",
+            "Backend entries from Redis ignored: their host is not in membership.allow.",
+            registry=r,
+        )
         self.ring_rebuilds = Counter(
             "kvgate_ring_rebuilds", "Rings built after membership changes.", registry=r
         )

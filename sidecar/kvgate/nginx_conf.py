@@ -6,14 +6,17 @@ and ports), and a drop-in for an existing Nginx edge (only the include files; se
 
 from __future__ import annotations
 
-import getpass
 import grp
 import os
+import pwd
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from kvgate.config import Config
 
 # The Lua code and the templates ship inside the package (``kvgate/assets``: links to the checkout's
 # lua/ and nginx/ in a source tree, copies in a wheel), so an installed kvgate renders on its own.
@@ -46,6 +49,25 @@ class NginxSettings:
     client_body_buffer_size: str = "4m"
     access_log: bool = False
     lua_dir: str = str(LUA_DIR)  # where the gateway will find lua/kvgate/*.lua
+    worker_user: str | None = None  # when Nginx starts as root: its workers' user (None: nobody)
+
+    @classmethod
+    def from_config(cls, config: Config, **overrides: Any) -> NginxSettings:
+        """The settings a kvgate config asks for (its gateway section, the socket, the session header)."""
+        g = config.gateway
+        values: dict[str, Any] = {
+            "socket": config.listen.socket,
+            "session_header": config.routing.session_header,
+            "max_tries": config.routing.max_candidates,
+            "route_headers": g.route_headers,
+            "decision_timeout_ms": g.decision_timeout_ms,
+            "first_byte_timeout_ms": g.first_byte_timeout_ms,
+            "token_timeout_ms": g.token_timeout_ms,
+            "max_read_timeout_ms": g.max_read_timeout_ms,
+            "client_max_body_size": g.client_max_body_size,
+            "worker_user": g.worker_user,
+        }
+        return cls(**{**values, **overrides})
 
 
 def find_nginx() -> str:
@@ -62,12 +84,20 @@ def _needs_modules(nginx: str) -> bool:
     return "openresty" not in (out.stderr + out.stdout).lower()
 
 
-def user_directive() -> str:
-    # Only a root master switches users; run workers as the invoking user so they can reach the
-    # sidecar's socket (root's default for workers, nobody, cannot).
+def worker_identity(user: str | None) -> tuple[str, str]:
+    """(user, group) Nginx's workers run as when it starts as root: never root itself."""
+    name = user or "nobody"
+    return name, grp.getgrgid(pwd.getpwnam(name).pw_gid).gr_name
+
+
+def user_directive(user: str | None = None) -> str:
+    """Only a root master switches users: then the workers run as ``user`` (default nobody), and the
+    sidecar's socket must be given to their group (``listen.socket_group``). Not root: no directive,
+    the workers are the invoking user."""
     if os.geteuid() != 0:
         return ""
-    return f"user {getpass.getuser()} {grp.getgrgid(os.getegid()).gr_name};"
+    name, group = worker_identity(user)
+    return f"user {name} {group};"
 
 
 def render(
@@ -100,7 +130,7 @@ def render(
         "workers": str(settings.workers),
         "run_dir": str(run_dir),
         "access_log": f"{run_dir}/nginx-access.log kvgate" if settings.access_log else "off",
-        "user_directive": user_directive(),
+        "user_directive": user_directive(settings.worker_user),
         "load_modules": "",
     }
     names = ["kvgate-http.conf", "kvgate-server.conf", "kvgate-proxy.conf"]

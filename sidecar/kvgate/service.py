@@ -65,9 +65,10 @@ class DecisionService:
         r = self.config.routing
         return r.per_model.get(model, r.policy) if model else r.policy
 
-    async def decide(self, f: Features, decision_id: str | None = None) -> Routed:
+    async def decide(self, f: Features, decision_id: str | None = None, dry_run: bool = False) -> Routed:
         """Route one request. ``decision_id`` is Nginx's name for it (its outcome reports use it);
-        callers that have none get one from the sidecar."""
+        callers that have none get one from the sidecar. A ``dry_run`` (``POST /v1/decide``) says what
+        would be decided and changes nothing: no binding written, nothing counted in flight."""
         t0 = time.perf_counter()
         if f.model is not None and self.registry.serves(f.model) is False:
             self.metrics.unknown_model.inc()
@@ -84,12 +85,21 @@ class DecisionService:
             match = self.index.match(f.hashes, snap.nodes)
             depth, shared = match.depth, match.shared
         keyed = policy is PolicyName.KVGATE and f.key is not None and bool(snap.nodes)
-        bound = self.sessions.cached(f.key) if keyed and f.key else None
+        bound = None
+        if keyed and f.key:
+            bound = await self.sessions.peek(f.key) if dry_run else self.sessions.cached(f.key)
         req = Request(f, seq, bound, depth, shared)
         decision = decide(policy, req, snap, limit)
         if not decision.candidates:
             self.metrics.no_backend.inc()
             return Routed(did, policy, decision, ())
+        if dry_run:
+            return Routed(
+                did,
+                policy,
+                decision,
+                tuple(Candidate(b, self.registry.address(b)) for b in decision.candidates),
+            )
         if keyed and f.key:
             decision = await self._settle_session(f.key, decision, req, snap, policy)
         primary = decision.candidates[0]

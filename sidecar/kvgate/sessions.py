@@ -148,6 +148,21 @@ class SessionStore:
             return node
         return None
 
+    async def peek(self, key: str) -> str | None:
+        """The binding in force, read only: the local map when it may be trusted, else Redis."""
+        entry = self.local.get(key)
+        if entry is not None and (not self.redis_ok or time.monotonic() - entry[1] <= LOCAL_FRESH_S):
+            return entry[0]
+        if self.redis_ok:
+            assert self._batch is not None
+            try:
+                found = await self._batch.call("get", self._key(key))
+            except (RedisError, OSError) as exc:
+                self._failed(exc, "peek")
+            else:
+                return None if found is None else (found.decode() if isinstance(found, bytes) else str(found))
+        return None if entry is None else entry[0]
+
     async def claim(self, key: str, node: str) -> tuple[str, bool]:
         """Bind ``key`` to ``node`` unless it is bound already; returns the binding in force and
         whether it existed before this call."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvgate.config import Config, ConfigError
 from kvgate.nginx_conf import NginxSettings
-from kvgate.tools.launcher import Supervisor, launch_replica
+from kvgate.tools.launcher import Supervisor, launch_replica, write_private
 
 DEMO_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -58,7 +58,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             pid_file.unlink()
     sup = Supervisor(run_dir)
     token = os.environ.get("KVGATE_ADMIN_TOKEN") or secrets.token_urlsafe(16)
-    (run_dir / "admin-token").write_text(token + "\n")
+    write_private(run_dir / "admin-token", token + "\n")
     try:
         if args.config:
             config_path = Path(args.config).resolve()
@@ -98,13 +98,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 str(args.time_scale),
             )
         print("starting the kvgate sidecar and nginx")
-        settings = NginxSettings(
-            listen=f"127.0.0.1:{args.port}",
-            socket=config.listen.socket,
-            run_dir=str(run_dir),
-            session_header=config.routing.session_header,
-            max_tries=config.routing.max_candidates,
-        )
+        settings = NginxSettings.from_config(config, listen=f"127.0.0.1:{args.port}", run_dir=str(run_dir))
         launch_replica(sup, "kvgate", config_path, settings, {"KVGATE_ADMIN_TOKEN": token}, wait_peers=False)
     except (OSError, RuntimeError, TimeoutError) as exc:
         print(f"kvgate: failed to start the stack: {exc}; logs in {run_dir}", file=sys.stderr)
@@ -129,23 +123,17 @@ print(r.choices[0].message.content)'
 Ctrl-C (or `kvgate down`) stops everything this command started.""",
         flush=True,
     )
-    code = 0
     try:
         while not stopping:
-            dead = [n for n, alive in sup.alive().items() if not alive]
-            if dead:
-                print(
-                    f"kvgate: {', '.join(dead)} exited; stopping the stack (logs in {run_dir})",
-                    file=sys.stderr,
-                )
-                code = 1
-                break
+            # A child that dies is restarted with backoff; the others keep serving meanwhile.
+            for event in sup.supervise():
+                print(f"kvgate: {event} (logs in {run_dir})", file=sys.stderr, flush=True)
             time.sleep(0.5)
     finally:
         print("stopping kvgate")
         sup.stop_all()
         pid_file.unlink(missing_ok=True)
-    return code
+    return 0
 
 
 def cmd_down(args: argparse.Namespace) -> int:

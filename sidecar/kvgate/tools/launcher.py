@@ -5,7 +5,9 @@ A ``Supervisor`` runs each process in the foreground in its own session, its out
 ready when *it* owns the socket it was asked to open: the listening TCP port or unix socket is looked
 up in ``/proc/net`` and its inode found among the process's (or its children's) open files, so a
 foreign process already holding the port can never pass for ours. A child that exits first fails the
-start with its exit code, not a timeout.
+start with its exit code, not a timeout. ``supervise`` restarts a child that died, with exponential
+backoff, the way a supervisor of a gateway must: the rest keeps serving meanwhile (Nginx falls open
+while its sidecar is away; the sidecar routes from memory while Redis is).
 
 ``launch_replica`` starts one gateway replica the same way everywhere: write the sidecar's YAML, start
 the sidecar, wait until it answers with its own pid, then (optionally) render and start Nginx and wait
@@ -32,7 +34,7 @@ from typing import Any
 import yaml
 
 from kvgate.config import Config
-from kvgate.nginx_conf import NginxSettings, find_nginx, render
+from kvgate.nginx_conf import NginxSettings, find_nginx, render, worker_identity
 
 READY_TIMEOUT_S = 20.0
 POLL_S = 0.02
@@ -175,6 +177,14 @@ def wait_listening(
         )
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to a file only its owner can read, from its creation on."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
 def get_json(url: str, timeout: float = 2.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.loads(resp.read())
@@ -192,20 +202,77 @@ def _bin(name: str) -> str:
 
 
 # -- supervision -----------------------------------------------------------------------------------
+Ready = Callable[[subprocess.Popen[bytes]], None]
+RESTART_FIRST_S = 0.5  # first restart delay; doubles with each restart in a row
+RESTART_MAX_S = 30.0
+RESTART_RESET_S = 60.0  # a child up this long starts its backoff over
+
+
+@dataclass
+class _Child:
+    argv: list[str]
+    env: Mapping[str, str] | None
+    ready: Ready | None
+    started: float = 0.0
+    restarts: int = 0  # in a row
+    died: float | None = None
+
+
 @dataclass
 class Supervisor:
     run_dir: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _children: dict[str, _Child] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.run_dir = self.run_dir.resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def spawn(
-        self, name: str, argv: list[str], env: Mapping[str, str] | None = None
+        self, name: str, argv: list[str], env: Mapping[str, str] | None = None, ready: Ready | None = None
     ) -> subprocess.Popen[bytes]:
-        """Start ``argv`` as ``name``; readiness is the caller's (``wait_listening``). Children run in
-        the caller's working directory, so a relative path in a config means the same to all."""
+        """Start ``argv`` as ``name`` and wait until ``ready(proc)`` returns (it raises on failure).
+        Children run in the caller's working directory, so a relative path in a config means the same
+        to all. ``supervise`` restarts it the same way if it dies."""
+        proc = self._start(name, argv, env)
+        self._children[name] = _Child(argv, env, ready, time.monotonic())
+        if ready is not None:
+            ready(proc)
+        return proc
+
+    def supervise(self, now: float | None = None) -> list[str]:
+        """Restart children that died, each after its backoff; returns what happened, for the log."""
+        now = time.monotonic() if now is None else now
+        events = []
+        for name, child in self._children.items():
+            proc = self.procs.get(name)
+            if proc is None:
+                continue  # stopped on purpose
+            if proc.poll() is None:
+                if child.restarts and now - child.started > RESTART_RESET_S:
+                    child.restarts = 0
+                continue
+            if child.died is None:
+                child.died = now
+                delay = min(RESTART_MAX_S, RESTART_FIRST_S * 2**child.restarts)
+                events.append(f"{name} exited with {proc.returncode}; restarting in {delay:g}s")
+            if now - child.died < min(RESTART_MAX_S, RESTART_FIRST_S * 2**child.restarts):
+                continue
+            try:
+                new = self._start(name, child.argv, child.env)
+                if child.ready is not None:
+                    child.ready(new)
+            except (OSError, RuntimeError, TimeoutError) as exc:
+                events.append(f"{name} failed to restart: {exc}")
+                child.restarts += 1
+                child.died = now
+                continue
+            child.restarts += 1
+            child.started, child.died = now, None
+            events.append(f"{name} restarted (pid {new.pid})")
+        return events
+
+    def _start(self, name: str, argv: list[str], env: Mapping[str, str] | None) -> subprocess.Popen[bytes]:
         log = open(self.run_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child process
         proc = subprocess.Popen(
             argv,
@@ -219,8 +286,9 @@ class Supervisor:
         self.procs[name] = proc
         return proc
 
-    def start_redis(self, port: int, name: str = "redis") -> subprocess.Popen[bytes]:
-        proc = self.spawn(
+    def start_redis(self, port: int, name: str = "redis", *extra: str) -> subprocess.Popen[bytes]:
+        """redis-server on 127.0.0.1:``port`` (``extra``: more of its options, e.g. --requirepass)."""
+        return self.spawn(
             name,
             [
                 _bin("redis-server"),
@@ -238,10 +306,10 @@ class Supervisor:
                 "no",
                 "--protected-mode",
                 "yes",
+                *extra,
             ],
+            ready=lambda p: wait_listening(p, port=port),
         )
-        wait_listening(proc, port=port)
-        return proc
 
     def start_sim(
         self, port: int, instances: int = 1, name: str = "sim", *extra: str
@@ -254,8 +322,9 @@ class Supervisor:
         return proc
 
     def write_config(self, data: Mapping[str, Any], name: str) -> Path:
+        """``<run_dir>/<name>.yaml``, readable by this user only (it may hold the admin token)."""
         path = self.run_dir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(dict(data), sort_keys=False))
+        write_private(path, yaml.safe_dump(dict(data), sort_keys=False))
         return path
 
     def start_sidecar(
@@ -265,9 +334,8 @@ class Supervisor:
         name: str = "sidecar",
         env: Mapping[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
-        proc = self.spawn(name, [_bin("kvgate"), "sidecar", "--config", str(config_path)], env)
-        wait_listening(proc, unix=socket_path)
-        return proc
+        argv = [_bin("kvgate"), "sidecar", "--config", str(config_path)]
+        return self.spawn(name, argv, env, ready=lambda p: wait_listening(p, unix=socket_path))
 
     def start_nginx(self, settings: NginxSettings, port: int, name: str = "nginx") -> subprocess.Popen[bytes]:
         conf_dir = self.run_dir / f"{name}-conf"
@@ -379,6 +447,9 @@ def launch_replica(
             sup.write_config(config, f"{name}-sidecar"),
             Config.from_mapping(config, env or {}),
         )
+    if nginx is not None and os.geteuid() == 0 and parsed.listen.socket_group is None:
+        # Nginx started as root runs its workers as another user: the socket is theirs by its group.
+        env = {"KVGATE_LISTEN_SOCKET_GROUP": worker_identity(nginx.worker_user)[1], **(env or {})}
     replica = Replica(
         sup,
         name,
