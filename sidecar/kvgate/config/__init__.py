@@ -1,0 +1,120 @@
+"""kvgate's configuration: one YAML file plus ``KVGATE_*`` environment overrides, validated once.
+
+Every section is a frozen dataclass; durations are converted to seconds here, so no other module
+parses units. Errors name the bad key and say how to fix it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvgate.config.backends import BackendSpec, MembershipConfig
+from kvgate.config.gateway import GatewayConfig
+from kvgate.config.infra import DEFAULT_REDIS_URL, DEFAULT_SOCKET, ListenConfig, RedisConfig, ScrapeConfig
+from kvgate.config.parse import ConfigError, check_keys, section
+from kvgate.config.routing import LoadLimits, OutlierConfig, PolicyName, RoutingConfig
+
+__all__ = [
+    "DEFAULT_REDIS_URL",
+    "DEFAULT_SOCKET",
+    "BackendSpec",
+    "Config",
+    "ConfigError",
+    "GatewayConfig",
+    "ListenConfig",
+    "LoadLimits",
+    "MembershipConfig",
+    "OutlierConfig",
+    "PolicyName",
+    "RedisConfig",
+    "RoutingConfig",
+    "ScrapeConfig",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    listen: ListenConfig = field(default_factory=ListenConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
+    outlier: OutlierConfig = field(default_factory=OutlierConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
+    backends: tuple[BackendSpec, ...] = ()
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
+        if not isinstance(data, Mapping):
+            raise ConfigError("the config file must be a YAML mapping (listen:, redis:, backends:, ...)")
+        data = _apply_env(data, env or {})
+        check_keys(
+            data,
+            "config",
+            {"listen", "gateway", "redis", "scrape", "outlier", "routing", "membership", "backends"},
+        )
+        raw_backends = data.get("backends") or []
+        if not isinstance(raw_backends, list):
+            raise ConfigError("backends: expected a list of {url: http://HOST:PORT, weight: 1}")
+        backends = tuple(BackendSpec.from_mapping(b, f"backends[{i}]") for i, b in enumerate(raw_backends))
+        ids = [b.id for b in backends]
+        if len(set(ids)) != len(ids):
+            raise ConfigError("backends: two backends share an id; give each a distinct id")
+        return cls(
+            listen=ListenConfig.from_mapping(section(data, "listen")),
+            gateway=GatewayConfig.from_mapping(section(data, "gateway")),
+            redis=RedisConfig.from_mapping(section(data, "redis")),
+            scrape=ScrapeConfig.from_mapping(section(data, "scrape")),
+            outlier=OutlierConfig.from_mapping(section(data, "outlier")),
+            routing=RoutingConfig.from_mapping(section(data, "routing")),
+            membership=MembershipConfig.from_mapping(section(data, "membership")),
+            backends=backends,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path, env: Mapping[str, str] | None = None) -> Config:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        return cls.from_mapping(data, os.environ if env is None else env)
+
+
+# Environment overrides: KVGATE_<SECTION>_<KEY>, values parsed as YAML scalars.
+_ENV_KEYS = {
+    "KVGATE_REDIS_URL": ("redis", "url"),
+    "KVGATE_REDIS_USERNAME": ("redis", "username"),
+    "KVGATE_REDIS_PASSWORD": ("redis", "password"),
+    "KVGATE_LISTEN_SOCKET": ("listen", "socket"),
+    "KVGATE_LISTEN_SOCKET_GROUP": ("listen", "socket_group"),
+    "KVGATE_LISTEN_HTTP_PORT": ("listen", "http_port"),
+    "KVGATE_ADMIN_TOKEN": ("listen", "admin_token"),
+    "KVGATE_ROUTING_POLICY": ("routing", "policy"),
+    "KVGATE_SCRAPE_INTERVAL_MS": ("scrape", "interval_ms"),
+}
+
+
+_VERBATIM = {"KVGATE_ADMIN_TOKEN", "KVGATE_REDIS_PASSWORD", "KVGATE_REDIS_USERNAME"}
+
+
+def _apply_env(data: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
+    for var, (where, key) in _ENV_KEYS.items():
+        if var in env:
+            sect = out.setdefault(where, {})
+            if not isinstance(sect, dict):
+                raise ConfigError(f"{where}: expected a mapping (needed for {var})")
+            # Secrets are taken as written; other values are YAML scalars (numbers, null, ...).
+            value = env[var] if var in _VERBATIM else yaml.safe_load(env[var])
+            sect[key] = value
+    return out

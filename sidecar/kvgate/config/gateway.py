@@ -1,0 +1,60 @@
+"""Nginx's side of kvgate, written into its config by `kvgate render-nginx` and `kvgate up`."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.config.parse import ConfigError, check_keys, integer
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Nginx's side of kvgate, written into its config by ``kvgate render-nginx`` and ``kvgate up``."""
+
+    route_headers: bool = True  # X-Kvgate-Backend and X-Kvgate-Route: which backend served, and why
+    decision_timeout_ms: int = 50  # the whole budget of one call to the sidecar, then fail-open
+    first_byte_timeout_ms: int = (
+        60_000  # per try (streams: also every later silence; see lua/kvgate/conf.lua)
+    )
+    token_timeout_ms: int = 100  # JSON responses come whole: each requested token adds this much
+    max_read_timeout_ms: int = 600_000
+    client_max_body_size: str = "16m"
+    # When Nginx starts as root, its workers run as this user (and the socket group's members): never
+    # root. None: nobody.
+    worker_user: str | None = None
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> GatewayConfig:
+        w = "gateway"
+        check_keys(
+            d,
+            w,
+            {
+                "route_headers",
+                "decision_timeout_ms",
+                "first_byte_timeout_ms",
+                "token_timeout_ms",
+                "max_read_timeout_ms",
+                "client_max_body_size",
+                "worker_user",
+            },
+        )
+        headers = d.get("route_headers", True)
+        if not isinstance(headers, bool):
+            raise ConfigError(f"{w}.route_headers: expected true or false, got {headers!r}")
+        size = str(d.get("client_max_body_size", "16m"))
+        if not re.fullmatch(r"[0-9]+[kKmMgG]?", size):
+            raise ConfigError(f"{w}.client_max_body_size: {size!r} is not an Nginx size like 16m or 512k")
+        user = d.get("worker_user")
+        return cls(
+            route_headers=headers,
+            decision_timeout_ms=integer(d, w, "decision_timeout_ms", 50, 1, 10_000),
+            first_byte_timeout_ms=integer(d, w, "first_byte_timeout_ms", 60_000, 100, 3_600_000),
+            token_timeout_ms=integer(d, w, "token_timeout_ms", 100, 0, 60_000),
+            max_read_timeout_ms=integer(d, w, "max_read_timeout_ms", 600_000, 100, 86_400_000),
+            client_max_body_size=size,
+            worker_user=None if user is None else str(user),
+        )
