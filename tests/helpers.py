@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
+from kvgate.config import Config
 from kvgate.nginx_conf import NginxSettings
 from kvgate.tools.decision_client import DecisionClient
 from kvgate.tools.launcher import Replica, Supervisor, free_port, free_ports, launch_replica
@@ -95,8 +97,10 @@ class Gateway:
         route_headers: bool = True,
         first_byte_timeout_ms: int = 60_000,
         upstream_keepalive_timeout: str = "4s",
+        extra: dict[str, Any] | None = None,
         **routing: Any,
     ) -> None:
+        """``extra``: more config sections (auth, limits, ...) for the sidecar and Nginx."""
         self.stack = stack
         self.name = name
         run_dir = stack.run_dir / name
@@ -116,7 +120,12 @@ class Gateway:
             retry_deadline="3s",
             upstream_keepalive_timeout=upstream_keepalive_timeout,
         )
-        cfg = sidecar_config(socket, free_port(), redis_port, sim_port, n, **routing)
+        cfg = {**sidecar_config(socket, free_port(), redis_port, sim_port, n, **routing), **(extra or {})}
+        if extra:
+            parsed = Config.from_mapping(cfg, {})
+            self.settings = dataclasses.replace(
+                self.settings, auth=parsed.auth.enabled, limits=parsed.limited
+            )
         self.replica = launch_replica(stack, name, cfg, self.settings)
         self.sidecar = Sidecar(self.replica)
         self.error_log = run_dir / "nginx-error.log"

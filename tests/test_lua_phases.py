@@ -96,6 +96,7 @@ def test_lua_protocol_matches_the_golden_file(phase: Phase) -> None:
     assert got["decide"] == [c["wire"] for c in golden["decide"]]
     assert got["report"] == [c["wire"] for c in golden["report"]]
     assert got["peers"] == golden["peers"]["wire"] and got["models"] == golden["models"]["wire"]
+    assert got["keys"] == golden["keys"]["wire"]
     for case, lua in zip(golden["replies"], got["replies"], strict=True):
         want = case["meaning"]
         if want["kind"] == "decision":
@@ -104,12 +105,10 @@ def test_lua_protocol_matches_the_golden_file(phase: Phase) -> None:
                 "route"
             ]
         elif want["kind"] == "error":
-            assert lua == {
-                "kind": "error",
-                "code": want["code"],
-                "message": want["message"],
-                "decision": False,
-            }
+            expected = {"kind": "error", "code": want["code"], "message": want["message"], "decision": False}
+            if want["retry_after"] is not None:
+                expected["retry_after"] = want["retry_after"]
+            assert lua == expected
         elif want["kind"] == "peers":
             assert (lua["version"], lua["peers"]) == (want["version"], want["peers"])
         else:

@@ -16,6 +16,8 @@ from kvgate.protocol import (
     DecisionReply,
     ErrorCode,
     ErrorReply,
+    KeysQuery,
+    KeysReply,
     ModelsQuery,
     ModelsReply,
     Outcome,
@@ -30,13 +32,31 @@ GOLDEN = json.loads((Path(__file__).parent / "golden" / "protocol.json").read_te
 
 
 def features(d: dict[str, Any]) -> Features:
-    return Features(d["model"], d["key"], d["key_source"], tuple(d["hashes"]), d["prompt_bytes"])
+    return Features(
+        d["model"],
+        d["key"],
+        d["key_source"],
+        tuple(d["hashes"]),
+        d["prompt_bytes"],
+        d["client_key"],
+        d["client_addr"],
+        d["max_tokens"],
+    )
 
 
 def outcome(d: dict[str, Any]) -> Outcome:
     kind = OutcomeKind(d["kind"])
     return Outcome(
-        kind, d["decision_id"], d["backend"], d["status"], d["sent"], d["ttft"], d["duration"], d["cut"]
+        kind,
+        d["decision_id"],
+        d["backend"],
+        d["status"],
+        d["sent"],
+        d["ttft"],
+        d["duration"],
+        d["cut"],
+        d["prompt_tokens"],
+        d["completion_tokens"],
     )
 
 
@@ -45,7 +65,9 @@ def reply(d: dict[str, Any]) -> object:
     if kind == "decision":
         return DecisionReply(d["decision_id"], tuple(Candidate(*c) for c in d["candidates"]), d["route"])
     if kind == "error":
-        return ErrorReply(ErrorCode(d["code"]), d["message"])
+        return ErrorReply(ErrorCode(d["code"]), d["message"], d["retry_after"])
+    if kind == "keys":
+        return KeysReply(d["version"], d["keys"])
     if kind == "peers":
         return PeersReply(d["version"], tuple(Candidate(*p) for p in d["peers"]))
     return ModelsReply(tuple(d["cards"]))
@@ -74,6 +96,8 @@ def test_queries_encode_and_decode_as_golden() -> None:
     assert protocol.encode_message(ModelsQuery()) == GOLDEN["models"]["wire"]
     assert protocol.decode_message(protocol.line(GOLDEN["peers"]["wire"])) == PeersQuery()
     assert protocol.decode_message(protocol.line(GOLDEN["models"]["wire"])) == ModelsQuery()
+    assert protocol.encode_message(KeysQuery()) == GOLDEN["keys"]["wire"]
+    assert protocol.decode_message(protocol.line(GOLDEN["keys"]["wire"])) == KeysQuery()
 
 
 @pytest.mark.parametrize("case", GOLDEN["replies"], ids=lambda c: str(c["meaning"]["kind"]))

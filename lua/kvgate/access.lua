@@ -2,6 +2,7 @@
 -- of it, compute the request's features, ask the sidecar for a decision (or fall open), and leave the
 -- candidates in ngx.ctx for the balancer.
 
+local auth     = require "kvgate.auth"
 local cjson    = require "cjson.safe"
 local conf     = require "kvgate.conf"
 local errors   = require "kvgate.errors"
@@ -20,6 +21,7 @@ local ngx_WARN   = ngx.WARN
 local ngx_now    = ngx.now
 local io_open    = io.open
 local type       = type
+local tostring   = tostring
 local pairs      = pairs
 local ipairs     = ipairs
 local math_floor = math.floor
@@ -145,6 +147,7 @@ function _M.run()
     if not ngx_var.http_host then
         return errors.send(400, "The request has no Host header.")
     end
+    local key_name = conf.auth and auth.check() or nil
     local raw, err = read_body()
     if not raw or raw == "" then
         return errors.send(400, err or "The request body is empty; send a JSON object.")
@@ -163,21 +166,32 @@ function _M.run()
         return errors.send(400, message, nil, param)
     end
     local f = features.extract(body, session)
+    f.client_key = key_name
+    f.client_addr = conf.limits and ngx_var.remote_addr or nil
+    local mt = body.max_completion_tokens
+    if type(mt) ~= "number" then
+        mt = body.max_tokens
+    end
+    f.max_tokens = type(mt) == "number" and mt or nil
     local ctx = ngx.ctx
     local id = next_id()
     -- Reading and decoding a large body leaves Nginx's cached clock behind; the decision's budget
     -- must start now, not when the request arrived.
     ngx.update_time()
     local started = ngx_now()
-    local reply, decision, code
+    local reply, decision, code, retry_after
     reply, err = sidecar.decide(id, f)
     ngx.update_time()
     stats.observe_decision(ngx_now() - started)
     if reply then
-        decision, err, code = protocol.decision(reply)
+        decision, err, code, retry_after = protocol.decision(reply)
     end
     if code == "unknown_model" then
         return errors.send(404, err, nil, "model")
+    end
+    if code == "rate_limited" then
+        ngx.header["Retry-After"] = tostring(retry_after or 1)
+        return errors.send(429, err, nil, nil, "rate_limit_exceeded")
     end
     if decision and #decision.addrs > 0 then
         ctx.kv_id = id

@@ -25,6 +25,8 @@ local _M = {
     max_read_timeout_ms = 600000,
     max_body = "16m",                           -- client_max_body_size, named in the 413 message
     dict = "kvgate",                            -- the lua_shared_dict of the fail-open peers
+    auth = false,                               -- check API keys (auth.lua); the config has keys
+    limits = false,                             -- rate limits apply: read each response's usage
 }
 
 -- Refuses unknown keys and values of the wrong type: a typo in nginx.conf fails at startup.

@@ -14,8 +14,10 @@ local _M = {}
 
 local TYPES = {
     [400] = "invalid_request_error",
+    [401] = "invalid_request_error",
     [404] = "NotFoundError",
     [413] = "invalid_request_error",
+    [429] = "RateLimitError",
     [500] = "InternalServerError",
     [502] = "BadGatewayError",
     [503] = "ServiceUnavailableError",
@@ -31,18 +33,19 @@ local MESSAGES = {
     [504] = function() return "The backend did not answer in time." end,
 }
 
-function _M.body(status, message, typ, param)
+-- code: OpenAI's error code when it has one (a string such as "invalid_api_key"), else the status.
+function _M.body(status, message, typ, param, code)
     return cjson.encode({ error = { message = message, type = typ or TYPES[status] or "Error",
-                                    param = param or cjson.null, code = status } })
+                                    param = param or cjson.null, code = code or status } })
 end
 
 -- Answers the request with the error and ends it.
-function _M.send(status, message, typ, param)
+function _M.send(status, message, typ, param, code)
     stats.incr("m:errors:", status)
     ngx.status = status
     ngx.header["Content-Type"] = "application/json"
     ngx.header["Content-Length"] = nil
-    ngx_say(_M.body(status, message, typ, param))
+    ngx_say(_M.body(status, message, typ, param, code))
     return ngx_exit(status)
 end
 

@@ -4,6 +4,7 @@
 
 local access   = require "kvgate.access"
 local api      = require "kvgate.api"
+local auth     = require "kvgate.auth"
 local balancer = require "kvgate.balancer"
 local conf     = require "kvgate.conf"
 local errors   = require "kvgate.errors"
@@ -27,6 +28,7 @@ _M.error_page    = errors.page          -- content_by_lua of the error_page loca
 function _M.init_worker()
     failopen.init_worker()
     reports.init_worker()
+    auth.init_worker()
 end
 
 return _M

@@ -27,7 +27,8 @@ function _M.decide(id, f)
         hashes = nil
     end
     return { pv = VERSION, op = "decide", i = id,
-             f = { m = f.model, k = f.key, ks = f.key_source, h = hashes, b = f.prompt_bytes } }
+             f = { m = f.model, k = f.key, ks = f.key_source, h = hashes, b = f.prompt_bytes,
+                   ck = f.client_key, ca = f.client_addr, mt = f.max_tokens } }
 end
 
 function _M.report(outcomes)
@@ -42,6 +43,10 @@ function _M.models()
     return { pv = VERSION, op = "models" }
 end
 
+function _M.keys()
+    return { pv = VERSION, op = "keys" }
+end
+
 -- Outcomes (see protocol.py): every decision ends in one "end" or one "drop".
 
 -- The response's first body byte went out: the backend finished this request's prefill.
@@ -50,9 +55,10 @@ function _M.first(id, backend)
 end
 
 -- The request ended. id is nil for a fail-open request; ttft (streams) and duration may be nil; cut is
--- true when the backend closed the response before its end.
-function _M.ended(id, backend, status, sent, ttft, duration, cut)
-    return { k = "end", i = id, b = backend, s = status, x = sent, t = ttft, d = duration, c = cut or nil }
+-- true when the backend closed the response before its end; pt and ct are the response's usage.
+function _M.ended(id, backend, status, sent, ttft, duration, cut, pt, ct)
+    return { k = "end", i = id, b = backend, s = status, x = sent, t = ttft, d = duration, c = cut or nil,
+             pt = pt, ct = ct }
 end
 
 -- An earlier candidate failed before the one that answered.
@@ -86,10 +92,10 @@ function _M.check(reply)
 end
 
 -- A decision: { id, ids = {backend ids}, addrs = {host:port}, route }, or nil, error message,
--- error code (the sidecar's, e.g. "unknown_model"; nil for a malformed reply).
+-- error code (the sidecar's, e.g. "unknown_model"; nil for a malformed reply), retry-after seconds.
 function _M.decision(reply)
     if reply.e then
-        return nil, tostring(reply.msg), reply.e
+        return nil, tostring(reply.msg), reply.e, reply.ra
     end
     local c = reply.c
     if type(c) ~= "table" then

@@ -21,6 +21,7 @@ local tonumber   = tonumber
 local tostring   = tostring
 local str_find   = string.find
 local str_format = string.format
+local str_match  = string.match
 local str_gmatch = string.gmatch
 
 local FLUSH_EVERY_S  = 0.1     -- outcome reports are flushed in batches this often
@@ -160,10 +161,23 @@ local function cut(ctx)
     end
 end
 
+-- With rate limits on, the response's usage corrects the tokens counted at admission. It is in the
+-- last event of a stream (with include_usage) or near the end of a JSON body: keep the last chunks.
+local function keep_tail(ctx)
+    local chunk = ngx.arg[1]
+    if chunk ~= "" then
+        ctx.kv_tail = (ctx.kv_last or "") .. chunk
+        ctx.kv_last = chunk
+    end
+end
+
 function _M.body_filter()
     local ctx = ngx.ctx
     if ctx.kv_eof or not ctx.kv_tries or ctx.kv_tries == 0 then
         return
+    end
+    if conf.limits then
+        keep_tail(ctx)
     end
     if ngx.arg[2] then
         ctx.kv_eof = true
@@ -221,7 +235,12 @@ function _M.log()
     local duration = ngx_now() - ngx.req.start_time()
     local backend = ids[picks[tries]]
     local ttft = ctx.kv_stream and ctx.kv_first or nil
-    _M.push(protocol.ended(ctx.kv_id, backend, status, sent, ttft, duration, ctx.kv_cut))
+    local pt, ct
+    if ctx.kv_tail then
+        pt = tonumber(str_match(ctx.kv_tail, '"prompt_tokens"%s*:%s*(%d+)'))
+        ct = tonumber(str_match(ctx.kv_tail, '"completion_tokens"%s*:%s*(%d+)'))
+    end
+    _M.push(protocol.ended(ctx.kv_id, backend, status, sent, ttft, duration, ctx.kv_cut, pt, ct))
     -- For the kvgate log_format (the access log module runs after this phase handler).
     ngx_var.kvgate_backend = backend
     ngx_var.kvgate_route = ctx.kv_route

@@ -70,6 +70,10 @@ function _M.models()
     return call(protocol.models(), true, conf.timeout_ms)
 end
 
+function _M.call_keys()
+    return call(protocol.keys(), true, conf.report_timeout_ms)
+end
+
 function _M.report(outcomes)
     return call(protocol.report(outcomes), false, conf.report_timeout_ms)
 end

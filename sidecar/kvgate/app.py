@@ -23,6 +23,7 @@ from redis.retry import Retry
 from kvgate.config import Config
 from kvgate.decision_socket import DecisionServer
 from kvgate.http_api import HttpApi
+from kvgate.limits import RateLimiter
 from kvgate.membership import AddressPolicy, Membership
 from kvgate.metrics import SidecarMetrics
 from kvgate.registry import Registry
@@ -103,6 +104,12 @@ async def scrape_loop(
         await asyncio.sleep(max(0.0, config.scrape.interval_s - (time.monotonic() - started)))
 
 
+async def limits_loop(limiter: RateLimiter, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        await limiter.sync(time.time())  # wall time: replicas must agree on the minute windows
+
+
 async def membership_loop(membership: Membership, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
@@ -147,6 +154,10 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
             ),
             asyncio.create_task(sessions.refresh_loop(), name="session-ttls"),
         ]
+        if core.service.limiter is not None:
+            tasks.append(
+                asyncio.create_task(limits_loop(core.service.limiter, config.limits.sync_s), name="limits")
+            )
         yield
         for t in tasks:
             t.cancel()

@@ -49,6 +49,19 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hash_key(args: argparse.Namespace) -> int:
+    """Print the SHA-256 to put in auth.keys for the API key read from stdin (never an argument:
+    it would stay in the shell's history and the process list)."""
+    from kvgate.config import hash_key
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        print('kvgate: give the API key on stdin, e.g. `printf %s "$KEY" | kvgate hash-key`', file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from kvgate.tools.demo import cmd_up as up
 
@@ -94,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--lua-dir", default=str(LUA_DIR), help="where Nginx will find lua/kvgate")
     r.add_argument("--openresty", action="store_true", help="target OpenResty (no load_module lines)")
     r.set_defaults(func=cmd_render)
+    h = sub.add_parser("hash-key", help="print the SHA-256 of an API key read from stdin, for auth.keys")
+    h.set_defaults(func=cmd_hash_key)
     sub.add_parser("bench", help="benchmarks (the kvgate-bench command)", add_help=False)
     args = p.parse_args(argv)
     return int(args.func(args))

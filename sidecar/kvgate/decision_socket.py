@@ -20,6 +20,7 @@ from kvgate.protocol import (
     DecisionReply,
     ErrorCode,
     ErrorReply,
+    KeysQuery,
     Message,
     ModelsQuery,
     ModelsReply,
@@ -30,7 +31,7 @@ from kvgate.protocol import (
     Report,
 )
 from kvgate.registry import Registry
-from kvgate.service import DecisionService, UnknownModel
+from kvgate.service import DecisionService, RateLimited, UnknownModel
 
 logger = logging.getLogger(__name__)
 MAX_LINE = 4 * 1024 * 1024  # features of a 128k-token prompt are ~20 KB; this is a safety bound
@@ -64,6 +65,10 @@ class DecisionServer:
                 routed = await self.service.decide(msg.features, msg.decision_id)
             except UnknownModel as exc:
                 return ErrorReply(ErrorCode.UNKNOWN_MODEL, f"The model `{exc}` does not exist.")
+            except RateLimited as exc:
+                return ErrorReply(
+                    ErrorCode.RATE_LIMITED, "Rate limit reached; retry later.", int(exc.retry_after)
+                )
             return DecisionReply(routed.decision_id, routed.candidates, routed.decision.label)
         if isinstance(msg, Report):
             self.service.report(msg.outcomes)
@@ -71,6 +76,8 @@ class DecisionServer:
         if isinstance(msg, PeersQuery):
             version, peers = self.registry.peers()
             return PeersReply(version, peers)
+        if isinstance(msg, KeysQuery):
+            return self.service.keys()
         assert isinstance(msg, ModelsQuery)
         return ModelsReply(tuple(self.registry.model_cards()))
 

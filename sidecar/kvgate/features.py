@@ -41,6 +41,10 @@ class Features:
     key_source: str  # header | user | prefix | none
     hashes: tuple[str, ...]
     prompt_bytes: int
+    # For admission (rate limits), not for routing: who asks, and the completion they may get.
+    client_key: str | None = None  # the API key's name, when the gateway checks keys
+    client_addr: str | None = None
+    max_tokens: int | None = None
 
     @property
     def est_tokens(self) -> int:

@@ -29,6 +29,12 @@ class SidecarMetrics:
             "kvgate_unknown_model", "Requests for a model no backend serves.", registry=r
         )
         self.no_backend = Counter("kvgate_no_backend", "Decisions with no eligible backend.", registry=r)
+        self.rate_limited = Counter(
+            "kvgate_rate_limited",
+            "Requests refused by a rate limit, by what it limits (key, ip).",
+            ["by"],
+            registry=r,
+        )
         self.redis_errors = Counter("kvgate_redis_errors", "Failed Redis calls.", ["op"], registry=r)
         self.redis_fallbacks = Counter(
             "kvgate_redis_fallbacks", "Session lookups answered from local memory (Redis down).", registry=r

@@ -50,6 +50,8 @@ class NginxSettings:
     access_log: bool = False
     lua_dir: str = str(LUA_DIR)  # where the gateway will find lua/kvgate/*.lua
     worker_user: str | None = None  # when Nginx starts as root: its workers' user (None: nobody)
+    auth: bool = False  # check API keys (the config has some)
+    limits: bool = False  # rate limits apply
 
     @classmethod
     def from_config(cls, config: Config, **overrides: Any) -> NginxSettings:
@@ -66,6 +68,8 @@ class NginxSettings:
             "max_read_timeout_ms": g.max_read_timeout_ms,
             "client_max_body_size": g.client_max_body_size,
             "worker_user": g.worker_user,
+            "auth": config.auth.enabled,
+            "limits": config.limited,
         }
         return cls(**{**values, **overrides})
 
@@ -131,6 +135,10 @@ def render(
         "run_dir": str(run_dir),
         "access_log": f"{run_dir}/nginx-access.log kvgate" if settings.access_log else "off",
         "user_directive": user_directive(settings.worker_user),
+        "auth": "true" if settings.auth else "false",
+        "limits": "true" if settings.limits else "false",
+        # The client's key is the gateway's business: it does not travel on to the backends.
+        "upstream_authorization": 'proxy_set_header Authorization "";' if settings.auth else "",
         "load_modules": "",
     }
     names = ["kvgate-http.conf", "kvgate-server.conf", "kvgate-proxy.conf"]

@@ -8,17 +8,20 @@ both sides log it loudly, so a Lua and a sidecar from different releases never m
 Lua -> sidecar (decide, peers and models are answered with one line; report is not, so the log phase
 never waits)::
 
-    {"pv":2,"op":"decide","i":id,"f":{"m":model,"k":key,"ks":key source,"h":[chunk hash,...],"b":bytes}}
+    {"pv":2,"op":"decide","i":id,"f":{"m":model,"k":key,"ks":key source,"h":[chunk hash,...],"b":bytes,
+                                      "ck":API key name,"ca":client address,"mt":max tokens}}
     {"pv":2,"op":"report","o":[outcome,...]}
     {"pv":2,"op":"peers"}
     {"pv":2,"op":"models"}
+    {"pv":2,"op":"keys"}
 
 sidecar -> Lua::
 
     {"pv":2,"i":id,"c":[[backend id,"host:port"],...],"r":route label}   a decision
-    {"pv":2,"e":error code,"msg":text}                                   an error
+    {"pv":2,"e":error code,"msg":text,"ra":retry after s}                an error
     {"pv":2,"v":peers version,"peers":[{"id":backend id,"addr":"host:port"},...]}
     {"pv":2,"data":[model card,...]}
+    {"pv":2,"v":keys version,"keys":{sha256 hex:key name,...}}
 
 Nginx names each decision (``i``, unique per gateway) before asking, so it can end a decision it will
 not use (a late answer, fail-open, a client gone before dispatch) without having heard the answer.
@@ -26,7 +29,8 @@ Every decision ends in exactly one outcome of kind ``end`` or ``drop``; ``first`
 response byte and ``try`` a failed attempt on an earlier candidate::
 
     {"k":"first","i":id,"b":backend}
-    {"k":"end","i":id,"b":backend,"s":status,"x":bytes sent,"t":ttft s (streams),"d":duration s,"c":cut}
+    {"k":"end","i":id,"b":backend,"s":status,"x":bytes sent,"t":ttft s (streams),"d":duration s,"c":cut,
+     "pt":prompt tokens,"ct":completion tokens (from the response's usage, when limits are on)}
     {"k":"try","b":backend,"s":status}
     {"k":"drop","i":id}
 
@@ -51,6 +55,7 @@ class ErrorCode(str, Enum):
     BAD_REQUEST = "bad_request"
     UNKNOWN_MODEL = "unknown_model"
     PROTOCOL_VERSION = "protocol_version"
+    RATE_LIMITED = "rate_limited"
 
 
 class ProtocolError(ValueError):
@@ -89,6 +94,8 @@ class Outcome:
     ttft: float | None = None  # streams: first body byte, seconds from the request's start
     duration: float | None = None  # seconds from the request's start to its end
     cut: bool = False  # the backend closed the response before its end
+    prompt_tokens: int | None = None  # the response's usage, when Nginx read it (limits on)
+    completion_tokens: int | None = None
 
     @classmethod
     def first(cls, decision_id: str, backend: str) -> Outcome:
@@ -104,8 +111,21 @@ class Outcome:
         ttft: float | None = None,
         duration: float | None = None,
         cut: bool = False,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
     ) -> Outcome:
-        return cls(OutcomeKind.END, decision_id, backend, status, sent, ttft, duration, cut)
+        return cls(
+            OutcomeKind.END,
+            decision_id,
+            backend,
+            status,
+            sent,
+            ttft,
+            duration,
+            cut,
+            prompt_tokens,
+            completion_tokens,
+        )
 
     @classmethod
     def tried(cls, backend: str, status: int) -> Outcome:
@@ -138,7 +158,12 @@ class ModelsQuery:
     pass
 
 
-Message = Decide | Report | PeersQuery | ModelsQuery
+@dataclass(frozen=True, slots=True)
+class KeysQuery:
+    pass
+
+
+Message = Decide | Report | PeersQuery | ModelsQuery | KeysQuery
 
 
 # -- replies the sidecar sends -------------------------------------------------------------------
@@ -153,6 +178,7 @@ class DecisionReply:
 class ErrorReply:
     code: ErrorCode
     message: str
+    retry_after: int | None = None  # seconds, for rate_limited
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +192,15 @@ class ModelsReply:
     cards: tuple[Mapping[str, Any], ...]
 
 
-Reply = DecisionReply | ErrorReply | PeersReply | ModelsReply
+@dataclass(frozen=True, slots=True)
+class KeysReply:
+    """The API keys Nginx checks, by hash (never the keys themselves)."""
+
+    version: int
+    keys: Mapping[str, str]  # sha256 hex -> key name
+
+
+Reply = DecisionReply | ErrorReply | PeersReply | ModelsReply | KeysReply
 
 
 # -- decoding ------------------------------------------------------------------------------------
@@ -213,12 +247,16 @@ def decode_features(d: Any) -> Features:
         hashes = ()
     if not isinstance(hashes, list | tuple) or not all(isinstance(h, str) for h in hashes):
         raise ValueError("h must be a list of hash strings")
+    mt = d.get("mt")
     return Features(
         model=_text(d.get("m"), "m"),
         key=_text(d.get("k"), "k"),
         key_source=str(_text(d.get("ks"), "ks") or "none"),
         hashes=tuple(hashes),
         prompt_bytes=max(0, _int(d.get("b") or 0, "b")),
+        client_key=_text(d.get("ck"), "ck"),
+        client_addr=_text(d.get("ca"), "ca"),
+        max_tokens=None if mt is None else max(0, _int(mt, "mt")),
     )
 
 
@@ -238,6 +276,7 @@ def decode_outcome(d: Any) -> Outcome:
     if kind is OutcomeKind.TRY:
         return Outcome.tried(backend, status)
     decision_id = None if d.get("i") is None else _id(d.get("i"), "i")
+    pt, ct = d.get("pt"), d.get("ct")
     return Outcome.end(
         decision_id,
         backend,
@@ -246,6 +285,8 @@ def decode_outcome(d: Any) -> Outcome:
         _seconds(d.get("t")),
         _seconds(d.get("d")),
         d.get("c") is True,
+        None if pt is None else max(0, _int(pt, "pt")),
+        None if ct is None else max(0, _int(ct, "ct")),
     )
 
 
@@ -278,6 +319,8 @@ def decode_message(line: bytes) -> Message:
         return PeersQuery()
     if op == "models":
         return ModelsQuery()
+    if op == "keys":
+        return KeysQuery()
     raise ProtocolError(ErrorCode.BAD_REQUEST, f"unknown op {op!r}", op)
 
 
@@ -291,6 +334,12 @@ def encode_features(f: Features) -> dict[str, Any]:
         out["k"] = f.key
     if f.hashes:
         out["h"] = list(f.hashes)
+    if f.client_key is not None:
+        out["ck"] = f.client_key
+    if f.client_addr is not None:
+        out["ca"] = f.client_addr
+    if f.max_tokens is not None:
+        out["mt"] = f.max_tokens
     return out
 
 
@@ -313,6 +362,10 @@ def encode_outcome(o: Outcome) -> dict[str, Any]:
         out["d"] = o.duration
     if o.cut:
         out["c"] = True
+    if o.prompt_tokens is not None:
+        out["pt"] = o.prompt_tokens
+    if o.completion_tokens is not None:
+        out["ct"] = o.completion_tokens
     return out
 
 
@@ -324,6 +377,8 @@ def encode_message(msg: Message) -> dict[str, Any]:
         return {"pv": VERSION, "op": "report", "o": [encode_outcome(o) for o in msg.outcomes]}
     if isinstance(msg, PeersQuery):
         return {"pv": VERSION, "op": "peers"}
+    if isinstance(msg, KeysQuery):
+        return {"pv": VERSION, "op": "keys"}
     return {"pv": VERSION, "op": "models"}
 
 
@@ -336,7 +391,12 @@ def encode_reply(reply: Reply) -> dict[str, Any]:
             "r": reply.route,
         }
     if isinstance(reply, ErrorReply):
-        return {"pv": VERSION, "e": reply.code.value, "msg": reply.message}
+        out = {"pv": VERSION, "e": reply.code.value, "msg": reply.message}
+        if reply.retry_after is not None:
+            out["ra"] = reply.retry_after
+        return out
+    if isinstance(reply, KeysReply):
+        return {"pv": VERSION, "v": reply.version, "keys": dict(reply.keys)}
     if isinstance(reply, PeersReply):
         return {
             "pv": VERSION,
@@ -351,7 +411,9 @@ def decode_reply(d: Mapping[str, Any]) -> Reply:
     if d.get("pv") != VERSION:
         raise ProtocolError(ErrorCode.PROTOCOL_VERSION, f"reply speaks protocol {d.get('pv')!r}")
     if "e" in d:
-        return ErrorReply(ErrorCode(d["e"]), str(d.get("msg", "")))
+        return ErrorReply(ErrorCode(d["e"]), str(d.get("msg", "")), d.get("ra"))
+    if "keys" in d:
+        return KeysReply(int(d["v"]), dict(d["keys"]))
     if "c" in d:
         pairs: Sequence[Sequence[str]] = d["c"]
         return DecisionReply(str(d["i"]), tuple(Candidate(a, b) for a, b in pairs), str(d["r"]))

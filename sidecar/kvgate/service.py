@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import time
-from collections import deque
+import zlib
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from kvgate.config import Config, PolicyName
 from kvgate.features import Features
+from kvgate.limits import DEFAULT_OUTPUT_TOKENS, RateLimiter
 from kvgate.metrics import SidecarMetrics
 from kvgate.policies import Decision, Request, SessionAction, Snapshot, decide, uncached_tokens
 from kvgate.prefix_index import PrefixIndex
-from kvgate.protocol import Candidate, Outcome, OutcomeKind
+from kvgate.protocol import Candidate, KeysReply, Outcome, OutcomeKind
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
 
@@ -31,6 +34,15 @@ RECENT_DECISIONS = 256  # kept for GET /debug/decisions
 
 class UnknownModel(Exception):
     pass
+
+
+class RateLimited(Exception):
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"rate limited; retry after {retry_after:.0f}s")
+        self.retry_after = retry_after
+
+
+MAX_ADMITTED = 100_000  # decisions whose token count awaits its correction (bounded: reports can be lost)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +63,12 @@ class DecisionService:
         sessions: SessionStore,
         index: PrefixIndex,
         metrics: SidecarMetrics,
+        limiter: RateLimiter | None = None,
     ) -> None:
         self.config = config
+        self.limiter = limiter
+        # decision id -> (identities, tokens counted at admission), until the request ends
+        self._admitted: OrderedDict[str, tuple[list[str], int]] = OrderedDict()
         self.registry = registry
         self.sessions = sessions
         self.index = index
@@ -75,6 +91,8 @@ class DecisionService:
             raise UnknownModel(f.model)
         seq = next(self._seq)
         did = decision_id if decision_id is not None else f"s{seq}"
+        if self.limiter is not None and not dry_run:
+            self._admit(did, f)
         policy = self.policy_for(f.model)
         snap = self.registry.snapshot(f.model)
         limit = self.config.routing.max_candidates
@@ -132,6 +150,39 @@ class DecisionService:
             for r, f in self._recent
         ]
 
+    def _admit(self, did: str, f: Features) -> None:
+        """Count the request against its key's and its address's limits, or refuse it."""
+        assert self.limiter is not None
+        identities = ([f"key:{f.client_key}"] if f.client_key else []) + (
+            [f"ip:{f.client_addr}"] if f.client_addr else []
+        )
+        if not identities:
+            return
+        tokens = f.est_tokens + (f.max_tokens if f.max_tokens is not None else DEFAULT_OUTPUT_TOKENS)
+        retry = self.limiter.admit(identities, tokens, time.time())
+        if retry is not None:
+            self.metrics.rate_limited.labels(identities[0].partition(":")[0]).inc()
+            raise RateLimited(retry)
+        self._admitted[did] = (identities, tokens)
+        if len(self._admitted) > MAX_ADMITTED:
+            self._admitted.popitem(last=False)
+
+    def _settle_tokens(self, o: Outcome) -> None:
+        """The request ended: correct its token count from the usage the backend reported."""
+        if o.decision_id is None or self.limiter is None:
+            return
+        admitted = self._admitted.pop(o.decision_id, None)
+        if admitted is None or o.prompt_tokens is None or o.completion_tokens is None:
+            return
+        identities, counted = admitted
+        self.limiter.correct(identities, o.prompt_tokens + o.completion_tokens - counted, time.time())
+
+    def keys(self) -> KeysReply:
+        """The hashed API keys Nginx checks (versioned, so Nginx re-reads them only on change)."""
+        keys = {k.sha256: k.name for k in self.config.auth.keys}
+        version = zlib.crc32(json.dumps(keys, sort_keys=True).encode())
+        return KeysReply(version, keys)
+
     async def _settle_session(
         self, key: str, d: Decision, req: Request, snap: Snapshot, policy: PolicyName
     ) -> Decision:
@@ -171,10 +222,12 @@ class DecisionService:
             if o.kind is OutcomeKind.DROP:
                 assert o.decision_id is not None
                 self.registry.drop(o.decision_id, now)
+                self._admitted.pop(o.decision_id, None)
                 self.metrics.dropped.inc()
                 continue
             if o.decision_id is not None:
                 self.registry.finish(o.decision_id)
+                self._settle_tokens(o)
             if not o.backend:
                 continue
             self.registry.outcome(o.backend, o.status, o.ttft, o.cut, now)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from kvgate.config import Config
+from kvgate.limits import RateLimiter
 from kvgate.metrics import SidecarMetrics
 from kvgate.outliers import OutlierDetector
 from kvgate.prefix_index import PrefixIndex
@@ -36,5 +37,6 @@ def build_sidecar(config: Config, redis: aioredis.Redis | None) -> Sidecar:
     registry = Registry(config.scrape, config.routing, metrics, OutlierDetector(config.outlier))
     sessions = SessionStore(config.redis, metrics, redis)
     index = PrefixIndex(config.routing.prefix_index_blocks)
-    service = DecisionService(config, registry, sessions, index, metrics)
+    limiter = RateLimiter(config.limits, config.auth, redis, config.redis.prefix) if config.limited else None
+    service = DecisionService(config, registry, sessions, index, metrics, limiter)
     return Sidecar(config, metrics, registry, sessions, index, service)

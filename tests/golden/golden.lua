@@ -41,7 +41,10 @@ local function run_protocol()
         local f = case.features
         out.decide[i] = protocol.decide(case.id, { model = nn(f.model), key = nn(f.key),
                                                    key_source = f.key_source, hashes = f.hashes,
-                                                   prompt_bytes = f.prompt_bytes })
+                                                   prompt_bytes = f.prompt_bytes,
+                                                   client_key = nn(f.client_key),
+                                                   client_addr = nn(f.client_addr),
+                                                   max_tokens = nn(f.max_tokens) })
     end
     for i, case in ipairs(g.report) do
         local items = {}
@@ -50,7 +53,8 @@ local function run_protocol()
                 items[j] = protocol.first(o.decision_id, o.backend)
             elseif o.kind == "end" then
                 items[j] = protocol.ended(nn(o.decision_id), o.backend, o.status, o.sent, nn(o.ttft),
-                                          nn(o.duration), o.cut)
+                                          nn(o.duration), o.cut, nn(o.prompt_tokens),
+                                          nn(o.completion_tokens))
             elseif o.kind == "try" then
                 items[j] = protocol.tried(o.backend, o.status)
             else
@@ -61,14 +65,18 @@ local function run_protocol()
     end
     out.peers = protocol.peers()
     out.models = protocol.models()
+    out.keys = protocol.keys()
     for i, case in ipairs(g.replies) do
         local reply, err = protocol.check(case.wire)
         local meaning
         if not reply then
             meaning = { kind = "refused", error = err }
         elseif case.wire.e then
-            local d, msg, code = protocol.decision(reply)
-            meaning = { kind = "error", code = code, message = msg, decision = d ~= nil }
+            local d, msg, code, retry_after = protocol.decision(reply)
+            meaning = { kind = "error", code = code, message = msg, decision = d ~= nil,
+                        retry_after = retry_after }
+        elseif case.wire.keys then
+            meaning = { kind = "keys", version = reply.v, keys = reply.keys }
         elseif case.wire.c then
             local d = protocol.decision(reply)
             local pairs_ = {}

@@ -19,6 +19,8 @@ from kvgate.protocol import (
     DecisionReply,
     ErrorCode,
     ErrorReply,
+    KeysQuery,
+    KeysReply,
     ModelsQuery,
     ModelsReply,
     Outcome,
@@ -38,6 +40,7 @@ FEATURES = [
     Features("m", "p:a1b2c3d4e5f60718", "prefix", (), 40),
     Features(None, None, "none", (), 0),
     Features("m", "u:héllo ✓", "user", ("aaaaaaaaaaaaaaaa",), 700),
+    Features("m", "h:s", "header", (), 12, client_key="team-a", client_addr="10.0.0.7", max_tokens=64),
 ]
 OUTCOMES = [
     (Outcome.first("1a2b.5f3c.7", "sim-1"),),
@@ -45,6 +48,7 @@ OUTCOMES = [
     (Outcome.end("1a2b.5f3c.9", "sim-2", 504, False, None, 1.0),),
     (Outcome.end(None, "sim-2", 200, True, None, 0.125),),  # fail-open: no decision
     (Outcome.end("1a2b.5f3c.10", "sim-0", 200, True, 0.5, 0.75, cut=True),),
+    (Outcome.end("1a2b.5f3c.11", "sim-0", 200, True, None, 0.5, False, 17, 64),),
     (Outcome.drop("1a2b.5f3c.8"),),
 ]
 REPLIES = [
@@ -57,6 +61,8 @@ REPLIES = [
     DecisionReply("1a2b.5f3c.44", (), "no_backend"),
     ErrorReply(ErrorCode.UNKNOWN_MODEL, "The model `x` does not exist."),
     ErrorReply(ErrorCode.PROTOCOL_VERSION, "protocol version mismatch"),
+    ErrorReply(ErrorCode.RATE_LIMITED, "Rate limit reached; retry later.", 42),
+    KeysReply(7, {"a" * 64: "team-a"}),
     PeersReply(3, (Candidate("sim-0", "127.0.0.1:8001"), Candidate("sim-1", "127.0.0.1:8002"))),
     ModelsReply(({"id": "m", "object": "model", "created": 0, "owned_by": "vllm"},)),
 ]
@@ -69,6 +75,9 @@ def features(f: Features) -> dict[str, object]:
         "key_source": f.key_source,
         "hashes": list(f.hashes),
         "prompt_bytes": f.prompt_bytes,
+        "client_key": f.client_key,
+        "client_addr": f.client_addr,
+        "max_tokens": f.max_tokens,
     }
 
 
@@ -82,6 +91,8 @@ def outcome(o: Outcome) -> dict[str, object]:
         "ttft": o.ttft,
         "duration": o.duration,
         "cut": o.cut,
+        "prompt_tokens": o.prompt_tokens,
+        "completion_tokens": o.completion_tokens,
     }
 
 
@@ -94,7 +105,9 @@ def reply(r: object) -> dict[str, object]:
             "route": r.route,
         }
     if isinstance(r, ErrorReply):
-        return {"kind": "error", "code": r.code.value, "message": r.message}
+        return {"kind": "error", "code": r.code.value, "message": r.message, "retry_after": r.retry_after}
+    if isinstance(r, KeysReply):
+        return {"kind": "keys", "version": r.version, "keys": dict(r.keys)}
     if isinstance(r, PeersReply):
         return {"kind": "peers", "version": r.version, "peers": [list(p) for p in r.peers]}
     assert isinstance(r, ModelsReply)
@@ -118,6 +131,7 @@ def main() -> None:
         ],
         "peers": {"wire": protocol.encode_message(PeersQuery())},
         "models": {"wire": protocol.encode_message(ModelsQuery())},
+        "keys": {"wire": protocol.encode_message(KeysQuery())},
         "replies": [{"meaning": reply(r), "wire": protocol.encode_reply(r)} for r in REPLIES],
     }
     path = Path(__file__).with_name("protocol.json")

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from kvgate.config.access import ApiKey, AuthConfig, LimitsConfig, Rate, hash_key
 from kvgate.config.backends import BackendSpec, MembershipConfig
 from kvgate.config.gateway import GatewayConfig
 from kvgate.config.infra import DEFAULT_REDIS_URL, DEFAULT_SOCKET, ListenConfig, RedisConfig, ScrapeConfig
@@ -23,18 +24,23 @@ from kvgate.config.routing import LoadLimits, OutlierConfig, PolicyName, Routing
 __all__ = [
     "DEFAULT_REDIS_URL",
     "DEFAULT_SOCKET",
+    "ApiKey",
+    "AuthConfig",
     "BackendSpec",
     "Config",
     "ConfigError",
     "GatewayConfig",
+    "LimitsConfig",
     "ListenConfig",
     "LoadLimits",
     "MembershipConfig",
     "OutlierConfig",
     "PolicyName",
+    "Rate",
     "RedisConfig",
     "RoutingConfig",
     "ScrapeConfig",
+    "hash_key",
 ]
 
 
@@ -47,6 +53,8 @@ class Config:
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     backends: tuple[BackendSpec, ...] = ()
 
     @classmethod
@@ -57,7 +65,18 @@ class Config:
         check_keys(
             data,
             "config",
-            {"listen", "gateway", "redis", "scrape", "outlier", "routing", "membership", "backends"},
+            {
+                "listen",
+                "gateway",
+                "redis",
+                "scrape",
+                "outlier",
+                "routing",
+                "membership",
+                "auth",
+                "limits",
+                "backends",
+            },
         )
         raw_backends = data.get("backends") or []
         if not isinstance(raw_backends, list):
@@ -74,8 +93,15 @@ class Config:
             outlier=OutlierConfig.from_mapping(section(data, "outlier")),
             routing=RoutingConfig.from_mapping(section(data, "routing")),
             membership=MembershipConfig.from_mapping(section(data, "membership")),
+            auth=AuthConfig.from_mapping(section(data, "auth")),
+            limits=LimitsConfig.from_mapping(section(data, "limits")),
             backends=backends,
         )
+
+    @property
+    def limited(self) -> bool:
+        """Whether any rate limit applies (the limits section, or a key's own rate)."""
+        return self.limits.enabled or any(k.rate is not None and k.rate.limited for k in self.auth.keys)
 
     @classmethod
     def from_file(cls, path: str | Path, env: Mapping[str, str] | None = None) -> Config:

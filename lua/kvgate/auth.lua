@@ -1,0 +1,112 @@
+-- API keys at the gateway: Authorization: Bearer <key>, checked against the keys' SHA-256 hashes the
+-- sidecar hands out (never the keys). One worker refreshes them every second into the shared dict
+-- (auth:keys, auth:version); each worker decodes them once per version. Nginx checks keys itself, so
+-- auth holds while the sidecar is away: it fails closed (503 until the keys first arrive).
+
+local cjson    = require "cjson.safe"
+local conf     = require "kvgate.conf"
+local errors   = require "kvgate.errors"
+local ffi      = require "ffi"
+local sidecar  = require "kvgate.sidecar"
+
+local ngx        = ngx
+local ngx_log    = ngx.log
+local ngx_ERR    = ngx.ERR
+local ngx_WARN   = ngx.WARN
+local type       = type
+local str_byte   = string.byte
+local str_format = string.format
+local str_match  = string.match
+local concat     = table.concat
+
+local REFRESH_S = 1
+
+local _M = {}
+
+-- SHA-256 from the OpenSSL library Nginx is linked with (as OpenResty's resty.sha256 does).
+ffi.cdef [[
+unsigned char *SHA256(const unsigned char *d, size_t n, unsigned char *md);
+]]
+local digest = ffi.new("unsigned char[32]")
+local hex = {}
+
+local function sha256_hex(s)
+    ffi.C.SHA256(s, #s, digest)
+    local raw = ffi.string(digest, 32)
+    for i = 1, 32 do
+        hex[i] = str_format("%02x", str_byte(raw, i))
+    end
+    return concat(hex)
+end
+_M.sha256_hex = sha256_hex
+
+local cache = { version = nil, keys = nil }
+
+local function current_keys()
+    local dict = ngx.shared[conf.dict]
+    local version = dict:get("auth:version")
+    if version ~= nil and version ~= cache.version then
+        local keys = cjson.decode(dict:get("auth:keys") or "")
+        if type(keys) == "table" then
+            cache.keys, cache.version = keys, version
+        end
+    end
+    return cache.keys
+end
+
+local function refresh(premature)
+    if premature then
+        return
+    end
+    local dict = ngx.shared[conf.dict]
+    if not dict:add("auth:lock", true, REFRESH_S * 0.9) then
+        return
+    end
+    local reply, err = sidecar.call_keys()
+    if not reply or type(reply.keys) ~= "table" then
+        ngx_log(ngx_WARN, "kvgate: API key refresh failed, keeping the last keys: ", err or "bad reply")
+        return
+    end
+    if dict:get("auth:version") == reply.v then
+        return
+    end
+    local ok, set_err = dict:set("auth:keys", cjson.encode(reply.keys))
+    if ok then
+        ok, set_err = dict:set("auth:version", reply.v)
+    end
+    if not ok then
+        ngx_log(ngx_ERR, "kvgate: failed to store the API keys: ", set_err)
+    end
+end
+
+function _M.init_worker()
+    if not conf.auth then
+        return
+    end
+    local ok, err = ngx.timer.every(REFRESH_S, refresh)
+    if not ok then
+        ngx_log(ngx_ERR, "kvgate: failed to start the API key refresh timer: ", err)
+    end
+    ok, err = ngx.timer.at(0, refresh)
+    if not ok then
+        ngx_log(ngx_ERR, "kvgate: failed to schedule the first API key refresh: ", err)
+    end
+end
+
+-- The calling key's name, or ends the request with 401 (or 503 before any key is known).
+function _M.check()
+    local keys = current_keys()
+    if not keys then
+        return errors.send(503, "The gateway is starting: API keys are not loaded yet.")
+    end
+    local header = ngx.var.http_authorization
+    local key = type(header) == "string" and str_match(header, "^[Bb]earer%s+(%S+)%s*$")
+    local name = key and keys[sha256_hex(key)]
+    if not name then
+        ngx.header["WWW-Authenticate"] = 'Bearer realm="kvgate"'
+        return errors.send(401, "Incorrect API key provided.", "invalid_request_error", nil, "invalid_api_key")
+    end
+    return name
+end
+
+return _M

@@ -1,0 +1,122 @@
+"""Who may use the gateway and how much: API keys (stored hashed) and rate limits."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvgate.config.parse import ConfigError, check_keys, integer, ms
+
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def hash_key(key: str) -> str:
+    """How an API key is stored: its SHA-256, in hex (``kvgate hash-key`` prints it)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    """A limit per minute; 0 means none."""
+
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0  # prompt + completion tokens
+
+    @classmethod
+    def from_mapping(cls, d: Any, where: str) -> Rate:
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"{where}: expected {{requests_per_minute: N, tokens_per_minute: N}}")
+        check_keys(d, where, {"requests_per_minute", "tokens_per_minute"})
+        return cls(
+            integer(d, where, "requests_per_minute", 0, 0, 10**9),
+            integer(d, where, "tokens_per_minute", 0, 0, 10**12),
+        )
+
+    @property
+    def limited(self) -> bool:
+        return self.requests_per_minute > 0 or self.tokens_per_minute > 0
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    name: str
+    sha256: str = field(repr=False)
+    rate: Rate | None = None  # None: the limits section's per_key rate
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """With keys configured, every request to the API needs ``Authorization: Bearer <key>`` with
+    one of them; Nginx checks it even while the sidecar is away (it fails closed)."""
+
+    keys: tuple[ApiKey, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> AuthConfig:
+        w = "auth"
+        check_keys(d, w, {"keys", "keys_file"})
+        entries = list(d.get("keys") or [])
+        if d.get("keys_file") is not None:
+            try:
+                loaded = yaml.safe_load(Path(str(d["keys_file"])).read_text()) or []
+            except OSError as exc:
+                raise ConfigError(f"{w}.keys_file: cannot read it: {exc.strerror}") from None
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{w}.keys_file: not valid YAML: {exc}") from None
+            if not isinstance(loaded, list):
+                raise ConfigError(f"{w}.keys_file: expected a list of {{name, sha256}}")
+            entries += loaded
+        keys = []
+        for i, e in enumerate(entries):
+            where = f"{w}.keys[{i}]"
+            if not isinstance(e, Mapping):
+                raise ConfigError(f"{where}: expected {{name: team-a, sha256: <kvgate hash-key output>}}")
+            check_keys(e, where, {"name", "sha256", "rate"})
+            digest = str(e.get("sha256", "")).lower()
+            if not SHA256_HEX.fullmatch(digest):
+                raise ConfigError(f"{where}.sha256: expected 64 hex digits (kvgate hash-key prints them)")
+            name = e.get("name")
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+                raise ConfigError(f"{where}.name: expected 1-64 letters, digits, '.', '_' or '-'")
+            rate = Rate.from_mapping(e["rate"], f"{where}.rate") if "rate" in e else None
+            keys.append(ApiKey(name, digest, rate))
+        if len({k.name for k in keys}) != len(keys) or len({k.sha256 for k in keys}) != len(keys):
+            raise ConfigError(f"{w}.keys: names and keys must be distinct")
+        return cls(tuple(keys))
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    """Rate limits by requests and tokens, per API key and per client address, shared by every
+    gateway replica through Redis. Decisions never wait on Redis for them: each sidecar counts
+    locally and exchanges its counts every ``sync_s``, so replicas see each other's use that late."""
+
+    per_key: Rate = field(default_factory=Rate)
+    per_client: Rate = field(default_factory=Rate)
+    sync_s: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.per_key.limited or self.per_client.limited
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> LimitsConfig:
+        w = "limits"
+        check_keys(d, w, {"per_key", "per_client", "sync_ms"})
+        return cls(
+            Rate.from_mapping(d.get("per_key"), f"{w}.per_key"),
+            Rate.from_mapping(d.get("per_client"), f"{w}.per_client"),
+            ms(d, w, "sync_ms", 1000, 50, 60_000),
+        )

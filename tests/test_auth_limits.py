@@ -1,0 +1,137 @@
+"""API keys at the gateway and rate limits by requests and tokens, through real Nginx, sidecars and
+Redis: keys stored hashed and checked by Nginx even without its sidecar (fail closed), 429 with
+Retry-After as OpenAI-style JSON, limits shared by replicas."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvgate.config import AuthConfig, LimitsConfig, Rate, hash_key
+from kvgate.limits import RateLimiter
+from kvgate.tools.launcher import Supervisor, free_port
+
+from tests.conftest import MODEL
+from tests.helpers import Gateway, chat, start_backends
+
+pytestmark = pytest.mark.e2e
+KEY_A, KEY_B = "sk-team-a-0123456789", "sk-team-b-9876543210"
+
+
+def call(url: str, key: str | None, body: dict[str, Any] | None = None) -> tuple[int, dict[str, str], Any]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body or chat(1, 1)).encode(),
+        method="POST",
+        headers=headers,
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, dict(exc.headers), json.loads(exc.read())
+        finally:
+            exc.close()
+
+
+def keyed(**limits: Any) -> dict[str, Any]:
+    return {
+        "auth": {
+            "keys": [
+                {"name": "team-a", "sha256": hash_key(KEY_A)},
+                {"name": "team-b", "sha256": hash_key(KEY_B), "rate": {"requests_per_minute": 3}},
+            ]
+        },
+        "limits": limits,
+    }
+
+
+def test_keys_are_checked_by_nginx_even_while_the_sidecar_is_away(stack: Supervisor) -> None:
+    sim = start_backends(stack, 2)
+    gw = Gateway(stack, "gw", None, sim, 2, extra=keyed())
+    assert call(gw.url, KEY_A)[0] == 200
+    status, headers, body = call(gw.url, None)
+    assert (
+        status == 401
+        and body["error"]["code"] == "invalid_api_key"
+        and "Bearer" in headers["WWW-Authenticate"]
+    )
+    assert call(gw.url, "sk-wrong")[0] == 401
+    stack.kill(gw.sidecar.name)  # fail-open routing, but auth still holds
+    assert call(gw.url, "sk-wrong")[0] == 401
+    status, headers, _ = call(gw.url, KEY_A)
+    assert status == 200 and headers["X-Kvgate-Route"] == "fail-open"
+
+
+def test_the_backend_never_sees_the_gateway_key(stack: Supervisor) -> None:
+    """vLLM started with its own --api-key would refuse the gateway's key; it is not forwarded."""
+    sim = start_backends(stack, 1)
+    gw = Gateway(stack, "gw", None, sim, 1, extra=keyed())
+    conf = stack.run_dir / "gw-nginx-conf" / "kvgate-proxy.conf"
+    assert 'proxy_set_header Authorization "";' in conf.read_text()
+    assert call(gw.url, KEY_A)[0] == 200
+
+
+def test_a_key_over_its_rate_gets_429_with_retry_after_and_others_go_on(stack: Supervisor) -> None:
+    sim = start_backends(stack, 2)
+    gw = Gateway(stack, "gw", None, sim, 2, extra=keyed())
+    assert [call(gw.url, KEY_B)[0] for _ in range(3)] == [200, 200, 200]
+    status, headers, body = call(gw.url, KEY_B)
+    assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
+    assert body["error"]["type"] == "RateLimitError" and 1 <= int(headers["Retry-After"]) <= 60
+    assert call(gw.url, KEY_A)[0] == 200  # team-a has no limit
+
+
+def test_token_limits_count_prompt_and_max_tokens_then_the_real_usage(stack: Supervisor) -> None:
+    sim = start_backends(stack, 1)
+    gw = Gateway(stack, "gw", None, sim, 1, extra=keyed(per_key={"tokens_per_minute": 2000}))
+    small = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    statuses = [call(gw.url, KEY_A, small)[0] for _ in range(12)]
+    assert statuses == [200] * 12  # ~ 10 tokens each, counted at admission as prompt + 2
+    big = {**small, "max_tokens": 1900}
+    assert call(gw.url, KEY_A, big)[0] == 200  # admitted: counted as ~1900
+    status, _, _ = call(gw.url, KEY_A, big)
+    assert status == 429
+
+
+def test_replicas_share_a_limit_through_redis(stack: Supervisor) -> None:
+    redis_port = free_port()
+    stack.start_redis(redis_port)
+    sim = start_backends(stack, 2)
+    extra = keyed(per_client={"requests_per_minute": 8}, sync_ms=100)
+    a = Gateway(stack, "a", redis_port, sim, 2, extra=extra)
+    b = Gateway(stack, "b", redis_port, sim, 2, extra=extra)
+    got = []
+    for i in range(12):
+        got.append(call((a if i % 2 else b).url, KEY_A)[0])
+        time.sleep(0.15)  # one sync interval: the other replica has heard of this request
+    assert got.count(200) == 8 and got[-1] == 429, got
+
+
+def test_the_limiter_alone() -> None:
+    limits = LimitsConfig(per_key=Rate(requests_per_minute=2), per_client=Rate(tokens_per_minute=100))
+    r = RateLimiter(limits, AuthConfig(), None, "t")
+    assert r.admit(["key:a", "ip:1"], 40, 0.0) is None and r.admit(["key:a", "ip:1"], 40, 1.0) is None
+    assert r.admit(["key:a"], 1, 2.0) == 58  # a third request in the minute: wait for the next one
+    assert r.admit(["ip:1"], 40, 3.0) == 57  # 120 > 100 tokens
+    r.correct(["ip:1"], -50, 4.0)  # the first two used 30 tokens less each than counted
+    assert r.admit(["ip:1"], 40, 5.0) is None
+    assert r.admit(["key:a", "ip:1"], 1, 61.0) is None  # a new window
+
+
+def test_hash_key_reads_the_key_from_stdin() -> None:
+    kvgate = str(Path(sys.executable).parent / "kvgate")
+    out = subprocess.run([kvgate, "hash-key"], input=KEY_A + "\n", capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == hash_key(KEY_A)
+    assert subprocess.run([kvgate, "hash-key"], input="", capture_output=True, timeout=30).returncode == 2
