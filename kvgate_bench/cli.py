@@ -102,6 +102,10 @@ def _main(argv: list[str]) -> int:
         from kvgate_bench import load
 
         return load.main(argv[1:])
+    if argv and argv[0] == "faults":
+        from kvgate_bench import faults
+
+        return faults.main(argv[1:])
     p = argparse.ArgumentParser(prog="kvgate-bench", description=__doc__)
     sub = p.add_subparsers(dest="mode", required=True)
     v = sub.add_parser(

@@ -1,0 +1,479 @@
+"""The fault suite: faults injected into a live stack under a steady load, each scored from the
+clients' side.
+
+One stack (simulated backends, redis-server, one sidecar, Nginx) runs under a supervisor that heals
+what dies, as ``kvgate up`` does; ``concurrency`` clients keep streaming chat requests. Each scenario
+injects a fault, holds it, heals it, and keeps the load on a little longer. Every request is one of:
+
+* ok: a 200 whose stream ended with ``[DONE]``;
+* failed by design: what no gateway can hide: a stream the backend cut after tokens had reached the
+  client (it gets an error event), or a refusal while no backend at all could serve;
+* failed: anything else, such as an error before the first byte while a healthy backend existed, a
+  non-JSON error, a hang.
+
+Reported per scenario: requests, ok, failed by design, failed, the time to recover (from the fault's
+start, or from the heal for faults that need one, to the first second of only ok requests), and
+whether every in-flight count was back to zero within 2 s of idle. The test suite runs short
+versions (``tests/test_faults.py``); ``kvgate-bench faults`` runs them at length, the fuzz corpus, and a
+soak that checks memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from kvgate.nginx_conf import NginxSettings
+from kvgate.tools.launcher import Replica, Supervisor, free_port, free_ports, get_json, launch_replica
+
+from kvgate_bench import fuzz, report
+
+MODEL = "sim-model"
+OK, BY_DESIGN, FAILED = "ok", "failed by design", "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    start: float
+    end: float
+    outcome: str
+    detail: str = ""
+
+
+def one_stream(port: int, n: int, session: str | None = None) -> Result:
+    """One streaming chat request over a fresh connection, classified."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"request {n} " + "w " * 40}],
+        "max_tokens": 8,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    headers = {"Content-Type": "application/json"}
+    if session:
+        headers["X-Session-ID"] = session
+    t0 = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=15)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+        resp = conn.getresponse()
+        try:
+            data = resp.read()
+        except http.client.IncompleteRead as cut:
+            data = cut.partial  # the connection closed mid-response: judge what arrived
+    except (OSError, http.client.HTTPException) as exc:
+        return Result(t0, time.monotonic(), FAILED, f"transport: {type(exc).__name__}")
+    finally:
+        conn.close()
+    end = time.monotonic()
+    text = data.decode(errors="replace")
+    if resp.status == 200:
+        if text.rstrip().endswith("data: [DONE]"):
+            return Result(t0, end, OK)
+        if "closed the stream before it finished" in text and '"content"' in text:
+            return Result(t0, end, BY_DESIGN, "stream cut after tokens")
+        return Result(t0, end, FAILED, "stream ended without [DONE]")
+    try:
+        json.loads(text)
+    except ValueError:
+        return Result(t0, end, FAILED, f"{resp.status} not JSON")
+    return Result(t0, end, FAILED, f"status {resp.status}")
+
+
+class Load:
+    """``concurrency`` clients streaming requests back to back until stopped."""
+
+    def __init__(self, port: int, concurrency: int) -> None:
+        self.port = port
+        self.results: list[Result] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._n = 0
+        self._threads = [
+            threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(concurrency)
+        ]
+
+    def _client(self, i: int) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                self._n += 1
+                n = self._n
+            r = one_stream(self.port, n, f"client-{i}" if i % 2 else None)
+            with self._lock:
+                self.results.append(r)
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+
+
+@dataclass
+class Stack:
+    """The stack under test, and how to hurt it."""
+
+    sup: Supervisor
+    sim_port: int
+    backends: int
+    redis_port: int
+    replica: Replica
+    supervising: threading.Event = field(default_factory=threading.Event)
+
+    @classmethod
+    def start(cls, run_dir: Path, backends: int = 3) -> Stack:
+        sup = Supervisor(run_dir)
+        sim = free_ports(backends)
+        sup.start_sim(sim, backends, "sim", "--model", MODEL, "--seed", "7")
+        redis_port = free_port()
+        sup.start_redis(redis_port, "redis", "--enable-debug-command", "local")  # for DEBUG SLEEP
+        sock = str(sup.run_dir / "sidecar.sock")
+        cfg = {
+            "listen": {"socket": sock, "http_port": free_port(), "admin_token": "t"},
+            "redis": {"url": f"redis://127.0.0.1:{redis_port}/0", "retry_after_ms": 500},
+            "scrape": {"interval_ms": 200, "timeout_ms": 150, "stale_after_ms": 1000, "unhealthy_after": 2},
+            "outlier": {"base_ejection_ms": 2000},
+            "backends": [{"id": f"sim-{i}", "url": f"http://127.0.0.1:{sim + i}"} for i in range(backends)],
+        }
+        port = free_port()
+        settings = NginxSettings(
+            listen=f"127.0.0.1:{port}",
+            socket=sock,
+            run_dir=str(sup.run_dir),
+            first_byte_timeout_ms=2000,
+        )
+        replica = launch_replica(sup, "gw", cfg, settings)
+        stack = cls(sup, sim, backends, redis_port, replica)
+        threading.Thread(target=stack._supervise, daemon=True).start()
+        return stack
+
+    def _supervise(self) -> None:
+        while not self.supervising.is_set():
+            self.sup.supervise()
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.supervising.set()
+        self.sup.stop_all()
+
+    @property
+    def port(self) -> int:
+        assert self.replica.port is not None
+        return self.replica.port
+
+    def sim(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.sim_port + i}"
+
+    def fault(self, i: int, **faults: Any) -> None:
+        _post(self.sim(i) + "/sim/faults", faults)
+
+    def heal(self) -> None:
+        for i in range(self.backends):
+            _post(self.sim(i) + "/sim/faults", None, "DELETE")
+
+    def signal(self, name: str, sig: int) -> None:
+        proc = self.sup.procs.get(name)
+        if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, sig)
+
+    def inflight(self) -> int:
+        backends = get_json(self.replica.http + "/v1/backends")["backends"]
+        return int(sum(b["inflight"] + b["inflight_tokens"] for b in backends))
+
+    def admin(self, method: str, path: str, body: Any = None) -> None:
+        _post(self.replica.http + path, body, method, {"Authorization": "Bearer t"})
+
+
+def _post(url: str, body: Any, method: str = "POST", headers: dict[str, str] | None = None) -> None:
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        resp.read()
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    inject: Callable[[Stack], None]
+    heal: Callable[[Stack], None]
+    # A fault that leaves no backend able to serve: refusals then are by design.
+    total_outage: bool = False
+    # The fault heals itself (a restart by the supervisor): recovery counts from the fault.
+    self_healing: bool = False
+
+
+def _noop(stack: Stack) -> None:
+    pass
+
+
+def _reloads(stack: Stack) -> None:
+    for _ in range(5):
+        stack.signal(stack.replica.nginx_name, signal.SIGHUP)
+        time.sleep(0.3)
+
+
+def _abort_storm(stack: Stack) -> None:
+    import socket
+
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "x " * 4000}], "stream": True}
+    )
+    raw = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}"
+    ).encode()
+    for _ in range(100):
+        try:
+            with socket.create_connection(("127.0.0.1", stack.port), timeout=2) as s:
+                s.sendall(raw)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        except OSError:
+            pass
+
+
+def _slow_redis(stack: Stack) -> None:
+    r = redis.Redis(port=stack.redis_port, socket_timeout=5)
+    for _ in range(6):
+        r.execute_command("DEBUG", "SLEEP", "0.3")  # type: ignore[no-untyped-call]  # Redis stalls 0.3 s
+    r.close()
+
+
+def _all_down(stack: Stack) -> None:
+    for i in range(stack.backends):
+        stack.fault(i, fail_rate=1.0, fail_status=503)
+
+
+def _restart_redis(stack: Stack) -> None:
+    stack.sup.start_redis(stack.redis_port, "redis", "--enable-debug-command", "local")
+
+
+def _add_and_remove(stack: Stack) -> None:
+    extra = stack.backends - 1  # re-register the last backend under a second id, then remove it
+    stack.admin("POST", "/admin/backends", {"id": "extra", "url": stack.sim(extra)})
+    time.sleep(1.0)
+    stack.admin("DELETE", "/admin/backends/extra")
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        Scenario(
+            "backend refuses connections", lambda st: st.fault(0, refuse_for_s=3.0), _noop, self_healing=True
+        ),
+        Scenario("backend hangs", lambda st: st.fault(0, latency_ms=60_000), lambda st: st.heal()),
+        Scenario(
+            "backend answers 503",
+            lambda st: st.fault(0, fail_rate=1.0, fail_status=503),
+            lambda st: st.heal(),
+        ),
+        Scenario("backend cuts streams", lambda st: st.fault(0, abort_after_tokens=3), lambda st: st.heal()),
+        Scenario("garbage metrics", lambda st: st.fault(0, metrics="garbage"), lambda st: st.heal()),
+        Scenario("backend 10x slow", lambda st: st.fault(0, latency_ms=300), lambda st: st.heal()),
+        Scenario(
+            "sidecar SIGKILL",
+            lambda st: st.signal(st.replica.sidecar_name, signal.SIGKILL),
+            _noop,
+            self_healing=True,
+        ),
+        Scenario(
+            "sidecar SIGSTOP",
+            lambda st: st.signal(st.replica.sidecar_name, signal.SIGSTOP),
+            lambda st: st.signal(st.replica.sidecar_name, signal.SIGCONT),
+        ),
+        Scenario(
+            "sidecar restart",
+            lambda st: st.signal(st.replica.sidecar_name, signal.SIGTERM),
+            _noop,
+            self_healing=True,
+        ),
+        Scenario("redis SIGKILL", lambda st: st.sup.kill("redis"), _restart_redis),  # down until healed
+        Scenario("slow redis", _slow_redis, _noop, self_healing=True),
+        Scenario("all backends down", _all_down, lambda st: st.heal(), total_outage=True),
+        Scenario("backend added and removed", _add_and_remove, _noop, self_healing=True),
+        Scenario("five nginx reloads", _reloads, _noop, self_healing=True),
+        Scenario("client abort storm", _abort_storm, _noop, self_healing=True),
+    ]
+}
+
+
+@dataclass
+class Score:
+    scenario: str
+    requests: int
+    ok: int
+    failed_by_design: int
+    failed: int
+    recover_s: float | None
+    idle_zero_s: float | None  # seconds until every in-flight count was 0, once idle (None: not in 2 s)
+    failures: list[str] = field(default_factory=list)
+
+
+def score(name: str, results: Sequence[Result], fault_at: float, heal_at: float, total_outage: bool) -> Score:
+    ok = sum(1 for r in results if r.outcome == OK)
+    by_design = sum(1 for r in results if r.outcome == BY_DESIGN)
+    failed = [r for r in results if r.outcome == FAILED]
+    if total_outage:
+        # No backend could serve between the fault and the heal: those refusals are by design.
+        designed = [r for r in failed if r.start < heal_at and r.end > fault_at]
+        by_design += len(designed)
+        failed = [r for r in failed if r not in designed]
+    recover = None
+    ends = sorted(results, key=lambda r: r.end)
+    last_bad = max((r.end for r in ends if r.outcome != OK and r.end >= fault_at), default=None)
+    if last_bad is None:
+        recover = 0.0
+    elif any(r.outcome == OK and r.start > last_bad for r in ends):
+        recover = max(0.0, last_bad - fault_at)
+    return Score(
+        name, len(results), ok, by_design, len(failed), recover, None, sorted({r.detail for r in failed})
+    )
+
+
+def run_scenario(
+    stack: Stack, sc: Scenario, concurrency: int, before: float, hold: float, after: float
+) -> Score:
+    with Load(stack.port, concurrency) as load:
+        time.sleep(before)
+        fault_at = time.monotonic()
+        sc.inject(stack)
+        time.sleep(hold)
+        heal_at = time.monotonic()
+        sc.heal(stack)
+        time.sleep(after)
+    s = score(sc.name, load.results, fault_at, fault_at if sc.self_healing else heal_at, sc.total_outage)
+    idle = time.monotonic()
+    while time.monotonic() - idle < 2.0:
+        try:
+            if stack.inflight() == 0:
+                s.idle_zero_s = round(time.monotonic() - idle, 2)
+                break
+        except OSError:
+            pass
+        time.sleep(0.05)
+    return s
+
+
+def table(scores: Sequence[Score]) -> str:
+    lines = [
+        "| scenario | requests | ok | failed by design | failed | recovered after s | in flight 0 when idle |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in scores:
+        rec = "n/a" if s.recover_s is None else f"{s.recover_s:.1f}"
+        idle = "no" if s.idle_zero_s is None else f"yes ({s.idle_zero_s:.2f} s)"
+        lines.append(
+            f"| {s.scenario} | {s.requests} | {s.ok} | {s.failed_by_design} | {s.failed} | {rec} | {idle} |"
+        )
+    return "\n".join(lines)
+
+
+def rss_kb(pids: Sequence[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
+
+
+def gateway_pids(stack: Stack) -> list[int]:
+    from kvgate.tools.launcher import _family
+
+    out = []
+    for name in (stack.replica.sidecar_name, stack.replica.nginx_name):
+        proc = stack.sup.procs.get(name)
+        if proc is not None:
+            out += _family(proc.pid)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="kvgate-bench faults", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--before", type=float, default=5.0)
+    p.add_argument("--hold", type=float, default=10.0)
+    p.add_argument("--after", type=float, default=10.0)
+    p.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), help="names from the list above")
+    p.add_argument("--fuzz", type=int, default=12_000, help="malformed requests to send (0: none)")
+    p.add_argument("--soak", type=float, default=0.0, help="seconds of soak with faults, measuring memory")
+    p.add_argument("--out", default="bench-results/faults")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    stack = Stack.start(out / "run")
+    scores: list[Score] = []
+    extra: dict[str, Any] = {}
+    try:
+        for name in args.scenarios:
+            sc = SCENARIOS[name]
+            s = run_scenario(stack, sc, args.concurrency, args.before, args.hold, args.after)
+            scores.append(s)
+            print(table([s]).splitlines()[-1], flush=True)
+        if args.fuzz:
+            extra["fuzz"] = asdict(fuzz.run(stack.port, args.fuzz))
+            print(f"fuzz: {extra['fuzz']}", flush=True)
+        if args.soak:
+            extra["soak"] = soak(stack, args.soak, args.concurrency)
+            print(f"soak: {extra['soak']}", flush=True)
+    finally:
+        stack.stop()
+    md = table(scores)
+    print(md)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(md + "\n")
+    report.write_json(
+        out / "report.json",
+        {"header": report.header(["faults", *(argv or [])]), "scores": [asdict(s) for s in scores], **extra},
+    )
+    return 0
+
+
+def soak(stack: Stack, seconds: float, concurrency: int) -> dict[str, Any]:
+    """Load with faults cycling through the scenarios for ``seconds``; the gateway's memory (sidecar and
+    Nginx, resident) after a warm-up and at the end."""
+    cycle = [s for s in SCENARIOS.values() if not s.total_outage]
+    with Load(stack.port, concurrency) as load:
+        time.sleep(30)
+        start_rss = rss_kb(gateway_pids(stack))
+        t0 = time.monotonic()
+        i = 0
+        while time.monotonic() - t0 < seconds:
+            sc = cycle[i % len(cycle)]
+            sc.inject(stack)
+            time.sleep(5)
+            sc.heal(stack)
+            time.sleep(10)
+            i += 1
+        end_rss = rss_kb(gateway_pids(stack))
+    ok = sum(1 for r in load.results if r.outcome == OK)
+    return {
+        "seconds": seconds,
+        "requests": len(load.results),
+        "ok": ok,
+        "faults_injected": i,
+        "rss_start_kb": start_rss,
+        "rss_end_kb": end_rss,
+        "rss_growth": (end_rss - start_rss) / start_rss if start_rss else None,
+    }
