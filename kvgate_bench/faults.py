@@ -373,7 +373,7 @@ def run_scenario(
 
 def table(scores: Sequence[Score]) -> str:
     lines = [
-        "| scenario | requests | ok | failed by design | failed | recovered after s | in flight 0 when idle |",
+        "| scenario | requests | ok | failed by design | failed | recovered after s | in flight 0 idle |",
         "|---|---|---|---|---|---|---|",
     ]
     for s in scores:
