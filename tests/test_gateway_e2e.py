@@ -194,7 +194,9 @@ def test_gateway_errors_are_openai_json(env: Env) -> None:
     big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 300_000}]}
     r = post(env.gw.url, big)
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
-    status, body = http_json("GET", env.gw.url + "/v1/nothing-here")
+    status, body = http_json("GET", env.gw.url + "/v1/nothing-here")  # vLLM's own 404, through kvgate
+    assert status == 404 and body == {"detail": "Not Found"}
+    status, body = http_json("GET", env.gw.url + "/not-an-api-route")  # Nginx's own, as JSON
     assert status == 404 and body["error"]["code"] == 404
     with pytest.raises(openai.NotFoundError):
         client(env.gw.url).chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])

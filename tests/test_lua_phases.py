@@ -320,8 +320,11 @@ def test_gateway_made_errors_are_openai_json(
         mock.close()
 
 
-def test_unknown_routes_are_json_404(phase: Phase) -> None:
-    status, body = http_json("GET", phase.nginx.url + "/v1/nothing-here")
+def test_other_v1_routes_go_to_a_backend_and_odd_paths_are_refused(phase: Phase) -> None:
+    phase.route("ok-b")
+    status, body = http_json("GET", phase.nginx.url + "/v1/some/new-route")
+    assert status == 200 and body == {"served_by": "ok-b"}
+    status, body = http_json("GET", phase.nginx.url + "/v1/a%20b")
     assert status == 404 and body["error"]["type"] == "NotFoundError"
 
 

@@ -123,3 +123,11 @@ def test_a_saturated_session_with_nowhere_better_to_go_stays_without_a_rebind() 
     for bound in ("a", "b", "c"):
         d = decide(PolicyName.KVGATE, Request(feat("k"), 1, bound=bound), snap(full), 3)
         assert (d.session is SessionAction.REBIND) == (d.candidates[0] != bound)
+
+
+def test_a_responses_conversation_stays_on_its_backend_even_saturated() -> None:
+    """vLLM stores a response on the backend that made it: the next turn must go there."""
+    saturated = snap({"a": load(6, waiting=50), "b": load(0), "c": load(0)})
+    f = Features("m", "r:resp_1", "response", (), 100)
+    d = decide(PolicyName.KVGATE, Request(f, 1, bound="a"), saturated, 3)
+    assert d.candidates[0] == "a" and d.session is SessionAction.KEEP

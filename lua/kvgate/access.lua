@@ -27,6 +27,7 @@ local ipairs     = ipairs
 local math_floor = math.floor
 local math_min   = math.min
 local str_find   = string.find
+local str_match  = string.match
 local str_format = string.format
 
 -- What the gateway accepts: a JSON object (no NaN, Infinity or hex numbers, at most MAX_DEPTH deep)
@@ -143,22 +144,44 @@ local function failure_reason(err)
     return "error"
 end
 
-function _M.run()
-    if not ngx_var.http_host then
-        return errors.send(400, "The request has no Host header.")
+-- The request's JSON body, or nil and an error message. Requests without one (a GET, a DELETE, a
+-- multipart upload) are routed on their headers alone: an empty table.
+local function json_body(kind)
+    local method = ngx.req.get_method()
+    if kind == "multipart" or method == "GET" or method == "DELETE" or method == "HEAD" then
+        return {}
     end
-    local key_name = conf.auth and auth.check() or nil
     local raw, err = read_body()
     if not raw or raw == "" then
-        return errors.send(400, err or "The request body is empty; send a JSON object.")
+        return nil, err or "The request body is empty; send a JSON object."
     end
     if not str_find(raw, "^%s*{") then
-        return errors.send(400, "The request body must be a JSON object.")
+        return nil, "The request body must be a JSON object."
     end
     local body
     body, err = json.decode(raw)
     if type(body) ~= "table" then
-        return errors.send(400, "The request body is not valid JSON: " .. (err or "not an object") .. ".")
+        return nil, "The request body is not valid JSON: " .. (err or "not an object") .. "."
+    end
+    return body
+end
+
+-- kind (the route's $kvgate_kind): "json" (a JSON body, or none for GET/DELETE), "responses" (the
+-- same, and the response's id becomes a session), "response_id" (the id in the path is the session),
+-- "multipart" (the body is not read).
+function _M.run()
+    if not ngx_var.http_host then
+        return errors.send(400, "The request has no Host header.")
+    end
+    local kind = ngx_var.kvgate_kind
+    local uri = ngx_var.uri
+    if not str_find(uri, "^/[%w/%._%-]*$") then
+        return errors.send(404, "Unknown route.")   -- what $uri may hold once proxied as the path
+    end
+    local key_name = conf.auth and auth.check() or nil
+    local body, err = json_body(kind)
+    if not body then
+        return errors.send(400, err)
     end
     local session = ngx.req.get_headers()[conf.session_header]
     local message, param = invalid(body, session)
@@ -166,6 +189,12 @@ function _M.run()
         return errors.send(400, message, nil, param)
     end
     local f = features.extract(body, session)
+    if kind == "response_id" then
+        local rid = str_match(uri, "^/v1/responses/([%w_%-]+)")
+        if rid then
+            f.key, f.key_source = features.session_key("r", rid), "response"
+        end
+    end
     f.client_key = key_name
     f.client_addr = conf.limits and ngx_var.remote_addr or nil
     local mt = body.max_completion_tokens
@@ -212,6 +241,7 @@ function _M.run()
         ctx.kv_ids, ctx.kv_addrs, ctx.kv_route = ids, addrs, "fail-open"
     end
     ctx.kv_tries = 0
+    ctx.kv_kind = kind
     ctx.kv_read_s = read_timeout(body) / 1000
     reports.stash(ctx)
 end

@@ -41,9 +41,15 @@ function _M.models()
     return errors.send(503, "The model list is unavailable (routing sidecar unreachable).")
 end
 
-function _M.unknown_route()
-    return errors.send(404, "Unknown route; kvgate serves /v1/chat/completions, /v1/completions and "
-                            .. "/v1/models.")
+-- GET /health, as vLLM answers it (200, no body) while the gateway can route: some backend is known
+-- healthy to it; else 503 with the reason.
+function _M.ready()
+    local peers = failopen.peers()
+    if #peers == 0 then
+        return errors.send(503, "No healthy backend is available.")
+    end
+    ngx.status = 200
+    return ngx.exit(200)
 end
 
 function _M.metrics()

@@ -16,6 +16,11 @@ local TYPES = {
     [400] = "invalid_request_error",
     [401] = "invalid_request_error",
     [404] = "NotFoundError",
+    [405] = "invalid_request_error",
+    [414] = "invalid_request_error",
+    [431] = "invalid_request_error",
+    [494] = "invalid_request_error",
+    [505] = "invalid_request_error",
     [413] = "invalid_request_error",
     [429] = "RateLimitError",
     [500] = "InternalServerError",
@@ -26,7 +31,14 @@ local TYPES = {
 
 -- What Nginx-made errors say (the status alone is all error_page passes on).
 local MESSAGES = {
+    [400] = function() return "The request could not be read." end,
+    [404] = function() return "Unknown route." end,
+    [405] = function() return "This method is not allowed on this route." end,
     [413] = function() return "The request body is larger than client_max_body_size (" .. conf.max_body .. ")." end,
+    [414] = function() return "The request URI is too long." end,
+    [431] = function() return "The request headers are too large." end,
+    [494] = function() return "The request headers are too large." end,
+    [505] = function() return "The HTTP version is not supported." end,
     [500] = function() return "The gateway failed to handle the request." end,
     [502] = function() return "Every candidate backend failed before answering." end,
     [503] = function() return "No healthy backend is available." end,

@@ -2,9 +2,11 @@
 -- sidecar/kvgate/features.py: both are checked against tests/golden/features.json.
 --
 -- text:   chat -> role .. ":" .. content .. "\n" per message (text parts joined by " ");
---         completions -> the prompt string.
+--         completions -> the prompt string; responses and embeddings -> their input (a list of
+--         messages is read as chat, a string as a prompt), after the instructions as a system message.
 -- hashes: h_i = md5(h_{i-1} .. chunk_i), first 16 hex digits, over full CHUNK_BYTES chunks.
--- key:    session header (h:), OpenAI user field (u:), else derived from leading content (p:).
+-- key:    session header (h:), the previous response (r:), OpenAI user field (u:), else derived from
+--         leading content (p:).
 
 local ngx_md5     = ngx.md5
 local type        = type
@@ -32,6 +34,7 @@ local function session_key(kind, value)
     end
     return kind .. "#" .. ngx_md5(value)
 end
+_M.session_key = session_key
 
 local function content_text(content)
     if type(content) == "string" then
@@ -50,9 +53,34 @@ local function content_text(content)
     return ""
 end
 
+local function is_message_list(v)
+    return type(v) == "table" and type(v[1]) == "table"
+end
+
 -- Returns the canonical text and the text the derived key hashes (nil for completions).
 local function canonical(body)
     local messages = body.messages
+    local input = body.input
+    if messages == nil and input ~= nil then
+        -- /v1/responses and /v1/embeddings: read as chat when the input is a list of messages or
+        -- instructions come with it, else as a prompt.
+        local instructions = body.instructions
+        if is_message_list(input) or type(instructions) == "string" then
+            messages = {}
+            if type(instructions) == "string" then
+                messages[1] = { role = "system", content = instructions }
+            end
+            if is_message_list(input) then
+                for _, m in ipairs(input) do
+                    messages[#messages + 1] = m
+                end
+            elseif type(input) == "string" then
+                messages[#messages + 1] = { role = "user", content = input }
+            end
+        else
+            body = { prompt = input }
+        end
+    end
     if type(messages) == "table" then
         local parts, n, first_user = {}, 0, nil
         for _, m in ipairs(messages) do
@@ -94,8 +122,11 @@ function _M.extract(body, session_value)
     local hashes = chunk_hashes(text)
     local key, source
     local user = body.user
+    local previous = body.previous_response_id
     if type(session_value) == "string" and session_value ~= "" then
         key, source = session_key("h", session_value), "header"
+    elseif type(previous) == "string" and previous ~= "" then
+        key, source = session_key("r", previous), "response"
     elseif type(user) == "string" and user ~= "" then
         key, source = session_key("u", user), "user"
     elseif first_user ~= nil then

@@ -22,7 +22,7 @@ _M.log           = reports.log
 _M.models        = api.models           -- content_by_lua of /v1/models
 _M.health        = api.health           -- content_by_lua of /kvgate/health
 _M.metrics       = api.metrics          -- content_by_lua of /kvgate/metrics
-_M.unknown_route = api.unknown_route    -- content_by_lua of the other /v1/ routes
+_M.ready         = api.ready            -- content_by_lua of /health
 _M.error_page    = errors.page          -- content_by_lua of the error_page location
 
 function _M.init_worker()

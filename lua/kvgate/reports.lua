@@ -194,6 +194,10 @@ function _M.body_filter()
         if ctx.kv_id then
             _M.push(protocol.first(ctx.kv_id, ctx.kv_ids[ctx.kv_picks[ctx.kv_tries]]))
         end
+        if ctx.kv_kind == "responses" then
+            -- vLLM keeps the response on this backend: its id is the next turn's session.
+            ctx.kv_rid = str_match(ngx.arg[1], '"id"%s*:%s*"(resp_[%w_%-]+)"')
+        end
         return
     end
     if not ctx.kv_eof and ngx_var.upstream_response_time ~= "-" and ngx.arg[1] == "" then
@@ -240,7 +244,8 @@ function _M.log()
         pt = tonumber(str_match(ctx.kv_tail, '"prompt_tokens"%s*:%s*(%d+)'))
         ct = tonumber(str_match(ctx.kv_tail, '"completion_tokens"%s*:%s*(%d+)'))
     end
-    _M.push(protocol.ended(ctx.kv_id, backend, status, sent, ttft, duration, ctx.kv_cut, pt, ct))
+    _M.push(protocol.ended(ctx.kv_id, backend, status, sent, ttft, duration, ctx.kv_cut, pt, ct,
+                           ctx.kv_rid))
     -- For the kvgate log_format (the access log module runs after this phase handler).
     ngx_var.kvgate_backend = backend
     ngx_var.kvgate_route = ctx.kv_route

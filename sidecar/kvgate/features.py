@@ -5,13 +5,16 @@ only them to the sidecar; this module is the Python twin used by the benchmark a
 are checked against ``tests/golden/features.json``.
 
 * ``text``: the prompt's canonical text. Chat: ``role ":" content "\n"`` per message, content parts of
-  type text joined by one space. Completions: the prompt string.
+  type text joined by one space. Completions: the prompt string. Responses and embeddings: their
+  ``input``, read as chat when it is a list of messages or ``instructions`` come with it (as a
+  system message first), else as a prompt.
 * ``hashes``: chained hashes of its full ``CHUNK_BYTES`` chunks, ``h_i = md5(h_{i-1} .. chunk_i)``
   (first 16 hex digits; ``h_0 = md5(chunk_0)``), at most ``MAX_CHUNKS``; they feed the prefix index.
   Beyond 128 KB of prompt the session key, not the index, keeps a conversation together, and the
   hashing cost stays bounded (about 0.25 ms in Lua) however long the prompt.
-* ``key``: the affinity key, in order: the session header (``h:``), the OpenAI ``user`` field (``u:``),
-  else a key derived from the prompt's leading content (``p:``). A session value longer than
+* ``key``: the affinity key, in order: the session header (``h:``), the previous response of a
+  ``/v1/responses`` conversation (``r:``), the OpenAI ``user`` field (``u:``), else a key derived
+  from the prompt's leading content (``p:``). A session value longer than
   ``KEY_VERBATIM`` bytes is kept as its md5 (``h#``/``u#``), so no client can store a megabyte key.
   For chat the derived key hashes the first user message (its first ``KEY_BYTES``), never the
   system prompt, so a system prompt shared by every request cannot collapse all traffic onto one
@@ -80,9 +83,26 @@ def content_text(content: Any) -> str:
     return ""
 
 
+def _is_message_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], Mapping)
+
+
 def canonical_text(body: Mapping[str, Any]) -> tuple[str, str | None]:
     """(canonical prompt text, text the derived key hashes or None for completions)."""
     messages = body.get("messages")
+    given = body.get("input")
+    if messages is None and given is not None:
+        # /v1/responses and /v1/embeddings: read as chat when the input is a list of messages or
+        # instructions come with it, else as a prompt.
+        instructions = body.get("instructions")
+        if _is_message_list(given) or isinstance(instructions, str):
+            messages = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+            if _is_message_list(given):
+                messages += list(given)
+            elif isinstance(given, str):
+                messages.append({"role": "user", "content": given})
+        else:
+            body = {"prompt": given}
     if isinstance(messages, list):
         parts: list[str] = []
         first_user: str | None = None
@@ -126,8 +146,11 @@ def extract(
         wanted = session_header.lower()
         header_value = next((v for k, v in headers.items() if k.lower() == wanted), None)
     user = body.get("user")
+    previous = body.get("previous_response_id")
     if header_value:
         key, source = session_key("h", header_value), "header"
+    elif isinstance(previous, str) and previous:
+        key, source = session_key("r", previous), "response"
     elif isinstance(user, str) and user:
         key, source = session_key("u", user), "user"
     elif first_user is not None:

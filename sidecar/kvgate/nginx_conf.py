@@ -51,6 +51,7 @@ class NginxSettings:
     lua_dir: str = str(LUA_DIR)  # where the gateway will find lua/kvgate/*.lua
     worker_user: str | None = None  # when Nginx starts as root: its workers' user (None: nobody)
     auth: bool = False  # check API keys (the config has some)
+    catch_all: bool = True  # a `location /v1/` for the other /v1/ routes
     limits: bool = False  # rate limits apply
 
     @classmethod
@@ -141,7 +142,24 @@ def render(
         "upstream_authorization": 'proxy_set_header Authorization "";' if settings.auth else "",
         "load_modules": "",
     }
-    names = ["kvgate-http.conf", "kvgate-server.conf", "kvgate-proxy.conf"]
+    # Other /v1/ routes go to a backend serving the model; a drop-in into an edge that has its own
+    # `location /v1/` leaves that one alone (catch_all False).
+    values["v1_catch_all"] = (
+        "location /v1/ {   # other /v1/ routes: to a backend serving the model\n"
+        "    set $kvgate_kind json;\n"
+        f"    include {values['conf_dir']}/kvgate-limits.conf;\n"
+        f"    include {values['conf_dir']}/kvgate-route.conf;\n"
+        "}"
+        if settings.catch_all
+        else ""
+    )
+    names = [
+        "kvgate-http.conf",
+        "kvgate-server.conf",
+        "kvgate-proxy.conf",
+        "kvgate-route.conf",
+        "kvgate-limits.conf",
+    ]
     if standalone:
         if openresty is None:
             openresty = not _needs_modules(nginx or find_nginx())

@@ -258,8 +258,10 @@ def kvgate(req: Request, snap: Snapshot, limit: int) -> Decision:
     walk, owner = _bounded_walk(snap, key, admits, max(limit, CHOICES))
     bound = req.bound
     # Sticky until saturated: a bound session stays put unless its node queues or runs out of KV
-    # cache; the fair-share bound only steers where new keys land.
-    if bound is not None and bound in snap.nodes and not snap.saturated(bound):
+    # cache; the fair-share bound only steers where new keys land. A /v1/responses conversation is
+    # stuck for good: its previous response is stored on that backend and nowhere else.
+    strict = req.features.key_source == "response"
+    if bound is not None and bound in snap.nodes and (strict or not snap.saturated(bound)):
         return Decision(_with_fallbacks([bound], walk, limit), Reason.SESSION, SessionAction.KEEP)
     # A new key weighs cache against load: among the first under-bound nodes of its ring walk and the
     # nodes holding a deeper-than-shared prefix of it, the one whose first token comes soonest.

@@ -30,7 +30,8 @@ response byte and ``try`` a failed attempt on an earlier candidate::
 
     {"k":"first","i":id,"b":backend}
     {"k":"end","i":id,"b":backend,"s":status,"x":bytes sent,"t":ttft s (streams),"d":duration s,"c":cut,
-     "pt":prompt tokens,"ct":completion tokens (from the response's usage, when limits are on)}
+     "pt":prompt tokens,"ct":completion tokens (from the response's usage, when limits are on),
+     "r":the id of a /v1/responses response (its backend keeps it)}
     {"k":"try","b":backend,"s":status}
     {"k":"drop","i":id}
 
@@ -96,6 +97,7 @@ class Outcome:
     cut: bool = False  # the backend closed the response before its end
     prompt_tokens: int | None = None  # the response's usage, when Nginx read it (limits on)
     completion_tokens: int | None = None
+    response_id: str | None = None  # /v1/responses: the id its backend now stores
 
     @classmethod
     def first(cls, decision_id: str, backend: str) -> Outcome:
@@ -113,6 +115,7 @@ class Outcome:
         cut: bool = False,
         prompt_tokens: int | None = None,
         completion_tokens: int | None = None,
+        response_id: str | None = None,
     ) -> Outcome:
         return cls(
             OutcomeKind.END,
@@ -125,6 +128,7 @@ class Outcome:
             cut,
             prompt_tokens,
             completion_tokens,
+            response_id,
         )
 
     @classmethod
@@ -287,6 +291,7 @@ def decode_outcome(d: Any) -> Outcome:
         d.get("c") is True,
         None if pt is None else max(0, _int(pt, "pt")),
         None if ct is None else max(0, _int(ct, "ct")),
+        _text(d.get("r"), "r"),
     )
 
 
@@ -366,6 +371,8 @@ def encode_outcome(o: Outcome) -> dict[str, Any]:
         out["pt"] = o.prompt_tokens
     if o.completion_tokens is not None:
         out["ct"] = o.completion_tokens
+    if o.response_id is not None:
+        out["r"] = o.response_id
     return out
 
 

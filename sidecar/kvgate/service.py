@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.config import Config, PolicyName
-from kvgate.features import Features
+from kvgate.features import Features, session_key
 from kvgate.limits import DEFAULT_OUTPUT_TOKENS, RateLimiter
 from kvgate.metrics import SidecarMetrics
 from kvgate.policies import Decision, Request, SessionAction, Snapshot, decide, uncached_tokens
@@ -228,6 +228,9 @@ class DecisionService:
             if o.decision_id is not None:
                 self.registry.finish(o.decision_id)
                 self._settle_tokens(o)
+            if o.response_id is not None and o.backend and o.status == 200:
+                # The backend stores this response: the conversation's next turn must come back.
+                self.sessions.remember(session_key("r", o.response_id), o.backend)
             if not o.backend:
                 continue
             self.registry.outcome(o.backend, o.status, o.ttft, o.cut, now)

@@ -213,6 +213,12 @@ class SessionStore:
         self.local.set(key, node, 0.0)
         self._dirty[key] = node
 
+    def remember(self, key: str, node: str) -> None:
+        """Bind ``key`` to ``node`` without waiting: kept locally now, written to Redis within
+        ``TTL_REFRESH_EVERY_S`` (by the refresh loop) so other replicas learn it."""
+        self.local.set(key, node, time.monotonic())
+        self._dirty[key] = node
+
     async def _flush_dirty(self) -> None:
         """Write back bindings made while Redis was down; first binding still wins."""
         if not self._dirty or self.client is None:
@@ -229,7 +235,7 @@ class SessionStore:
 
     async def refresh_ttls(self) -> None:
         """Extend the Redis TTL of sessions served from the local cache (batched, off the hot path)."""
-        if not self._touched or not self.redis_ok:
+        if (not self._touched and not self._dirty) or not self.redis_ok:
             return
         assert self.client is not None
         touched, self._touched = self._touched, set()

@@ -78,6 +78,20 @@ CASES = [
     {"name": "completions, short prompt", "body": {"model": "m", "prompt": "short prompt", "max_tokens": 5}},
     {"name": "completions, list of one", "body": {"model": "m", "prompt": [LONG]}},
     {"name": "empty", "body": {"model": "m", "messages": []}},
+    {
+        "name": "responses, instructions and a message list",
+        "body": {
+            "model": "m",
+            "instructions": SYSTEM,
+            "input": [{"role": "user", "content": LONG}, {"role": "assistant", "content": "ok"}],
+        },
+    },
+    {"name": "responses, string input", "body": {"model": "m", "input": LONG}},
+    {
+        "name": "responses, previous response is the session",
+        "body": {"model": "m", "input": "and then?", "previous_response_id": "resp_0123abc", "user": "u1"},
+    },
+    {"name": "embeddings, list of strings", "body": {"model": "m", "input": ["one", "two"]}},
     {"name": "longer than the hashed window", "body": {"model": "m", "prompt": " ".join([LONG] * 30)}},
 ]
 
