@@ -354,3 +354,62 @@ def test_idle_client_connections_are_closed_after_the_keep_alive_time(tmp_path: 
             assert 0.3 < time.perf_counter() - t0 < 3
     finally:
         s.stop_all()
+
+
+# -- vLLM's other routes ------------------------------------------------------------------------------
+def test_responses_store_and_continue_only_where_they_were_made(client: openai.OpenAI, sim: str) -> None:
+    """vLLM keeps a stored response in the instance's memory: previous_response_id continues it there
+    (its turns come first in the new prompt, so the prefix cache serves them) and is a 404 elsewhere."""
+    first = client.responses.create(model=MODEL, input=words(40, "resp"), max_output_tokens=8)
+    assert first.id.startswith("resp_") and first.object == "response"
+    assert first.output[0].content[0].type == "output_text" and first.usage.input_tokens > 40
+    again = client.responses.create(
+        model=MODEL, input="and then?", previous_response_id=first.id, max_output_tokens=4
+    )
+    assert again.previous_response_id == first.id
+    assert again.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert again.usage.input_tokens_details.cached_tokens >= 32  # the first turn's full blocks
+    assert client.responses.retrieve(first.id).id == first.id
+    host, _, port = sim.rpartition(":")
+    other = openai.OpenAI(base_url=f"{host}:{int(port) + 1}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        other.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+
+
+def test_responses_stream_typed_events(client: openai.OpenAI) -> None:
+    events = list(
+        client.responses.create(model=MODEL, input=words(5, "rs"), max_output_tokens=3, stream=True)
+    )
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert kinds.count("response.output_text.delta") == 3
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.usage.output_tokens == 3
+
+
+def test_embeddings_score_rerank_and_render(client: openai.OpenAI, sim: str) -> None:
+    emb = client.embeddings.create(model=MODEL, input=["same text", "same text", "other"])
+    vectors = [d.embedding for d in emb.data]
+    assert vectors[0] == vectors[1] != vectors[2] and emb.usage.prompt_tokens == 5
+    status, score = http_json(
+        "POST", sim + "/v1/score", {"model": MODEL, "text_1": "q", "text_2": ["a", "b"]}
+    )
+    assert status == 200 and [d["index"] for d in score["data"]] == [0, 1]
+    status, rerank = http_json(
+        "POST", sim + "/v1/rerank", {"model": MODEL, "query": "q", "documents": ["a", "b", "c"], "top_n": 2}
+    )
+    scores = [r["relevance_score"] for r in rerank["results"]]
+    assert status == 200 and len(scores) == 2 and scores == sorted(scores, reverse=True)
+    status, render = http_json(
+        "POST",
+        sim + "/v1/chat/completions/render",
+        {"model": MODEL, "messages": [{"role": "user", "content": "a b"}]},
+    )
+    assert status == 200 and len(render["token_ids"]) == 2 + 3
+    status, err = http_json("POST", sim + "/v1/embeddings", {"model": "nope", "input": "x"})
+    assert status == 404 and err["error"]["param"] == "model"
+
+
+def test_audio_transcription_is_multipart(client: openai.OpenAI) -> None:
+    out = client.audio.transcriptions.create(model=MODEL, file=("a.wav", b"\0" * 3000))
+    assert len(out.text.split()) == 16
