@@ -57,6 +57,7 @@ def outcome(d: dict[str, Any]) -> Outcome:
         d["cut"],
         d["prompt_tokens"],
         d["completion_tokens"],
+        d["response_id"],
     )
 
 

@@ -17,12 +17,26 @@ local ngx_ERR = ngx.ERR
 
 local _M = {}
 
+-- These routes are read only, as vLLM's are: another method is a 405, as JSON.
+local function not_get()
+    local method = ngx.req.get_method()
+    if method == "GET" or method == "HEAD" then
+        return false
+    end
+    ngx.header["Allow"] = "GET, HEAD"
+    errors.send(405, "Method " .. method .. " is not allowed on " .. ngx.var.uri .. "; use GET.")
+    return true
+end
+
 local function send_json(encoded)
     ngx.header["Content-Type"] = "application/json"
     return ngx.say(encoded)
 end
 
 function _M.models()
+    if not_get() then
+        return
+    end
     local dict = ngx.shared[conf.dict]
     local reply = sidecar.models()
     local cards = reply and protocol.model_list(reply)
@@ -44,6 +58,9 @@ end
 -- GET /health, as vLLM answers it (200, no body) while the gateway can route: some backend is known
 -- healthy to it; else 503 with the reason.
 function _M.ready()
+    if not_get() then
+        return
+    end
     local peers = failopen.peers()
     if #peers == 0 then
         return errors.send(503, "No healthy backend is available.")
@@ -53,11 +70,17 @@ function _M.ready()
 end
 
 function _M.metrics()
+    if not_get() then
+        return
+    end
     ngx.header["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
     return ngx.print(stats.prometheus())
 end
 
 function _M.health()
+    if not_get() then
+        return
+    end
     local peers, version = failopen.peers()
     return send_json(cjson.encode({ status = "ok", fail_open_peers = #peers, peers_version = version,
                                     dropped_reports = reports.dropped(),

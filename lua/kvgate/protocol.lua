@@ -49,9 +49,10 @@ end
 
 -- Outcomes (see protocol.py): every decision ends in one "end" or one "drop".
 
--- The response's first body byte went out: the backend finished this request's prefill.
-function _M.first(id, backend)
-    return { k = "first", i = id, b = backend }
+-- The response's first body byte went out: the backend finished this request's prefill. rid: the
+-- id of a /v1/responses response, which that backend now stores.
+function _M.first(id, backend, rid)
+    return { k = "first", i = id, b = backend, r = rid }
 end
 
 -- The request ended. id is nil for a fail-open request; ttft (streams) and duration may be nil; cut is

@@ -122,6 +122,14 @@ local function flush(premature)
     end
 end
 
+-- Sends the buffered reports at once (from a zero-delay timer: the filters cannot do I/O).
+function _M.flush_now()
+    local ok, err = ngx.timer.at(0, flush)
+    if not ok then
+        ngx_log(ngx_WARN, "kvgate: failed to schedule a report flush: ", err)
+    end
+end
+
 function _M.init_worker()
     local ok, err = ngx.timer.every(FLUSH_EVERY_S, flush)
     if not ok then
@@ -191,12 +199,16 @@ function _M.body_filter()
         end
         ngx.update_time()
         ctx.kv_first = ngx_now() - ngx.req.start_time()
-        if ctx.kv_id then
-            _M.push(protocol.first(ctx.kv_id, ctx.kv_ids[ctx.kv_picks[ctx.kv_tries]]))
-        end
         if ctx.kv_kind == "responses" then
-            -- vLLM keeps the response on this backend: its id is the next turn's session.
+            -- vLLM keeps the response on this backend: its id is the next turn's session, which may
+            -- arrive within milliseconds through any replica, so the binding leaves now.
             ctx.kv_rid = str_match(ngx.arg[1], '"id"%s*:%s*"(resp_[%w_%-]+)"')
+        end
+        if ctx.kv_id then
+            _M.push(protocol.first(ctx.kv_id, ctx.kv_ids[ctx.kv_picks[ctx.kv_tries]], ctx.kv_rid))
+            if ctx.kv_rid then
+                _M.flush_now()
+            end
         end
         return
     end

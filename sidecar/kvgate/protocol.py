@@ -28,7 +28,8 @@ not use (a late answer, fail-open, a client gone before dispatch) without having
 Every decision ends in exactly one outcome of kind ``end`` or ``drop``; ``first`` marks its first
 response byte and ``try`` a failed attempt on an earlier candidate::
 
-    {"k":"first","i":id,"b":backend}
+    {"k":"first","i":id,"b":backend,"r":the id of a /v1/responses response, sent at once: the next turn
+     may come within milliseconds, through any replica}
     {"k":"end","i":id,"b":backend,"s":status,"x":bytes sent,"t":ttft s (streams),"d":duration s,"c":cut,
      "pt":prompt tokens,"ct":completion tokens (from the response's usage, when limits are on),
      "r":the id of a /v1/responses response (its backend keeps it)}
@@ -100,8 +101,8 @@ class Outcome:
     response_id: str | None = None  # /v1/responses: the id its backend now stores
 
     @classmethod
-    def first(cls, decision_id: str, backend: str) -> Outcome:
-        return cls(OutcomeKind.FIRST, decision_id, backend)
+    def first(cls, decision_id: str, backend: str, response_id: str | None = None) -> Outcome:
+        return cls(OutcomeKind.FIRST, decision_id, backend, response_id=response_id)
 
     @classmethod
     def end(
@@ -275,7 +276,7 @@ def decode_outcome(d: Any) -> Outcome:
         return Outcome.drop(_id(d.get("i"), "i"))
     backend = _text(d.get("b"), "b") or ""
     if kind is OutcomeKind.FIRST:
-        return Outcome.first(_id(d.get("i"), "i"), backend)
+        return Outcome.first(_id(d.get("i"), "i"), backend, _text(d.get("r"), "r"))
     status = _int(d.get("s") or 0, "s")
     if kind is OutcomeKind.TRY:
         return Outcome.tried(backend, status)
@@ -356,6 +357,8 @@ def encode_outcome(o: Outcome) -> dict[str, Any]:
         return out
     out["b"] = o.backend
     if o.kind is OutcomeKind.FIRST:
+        if o.response_id is not None:
+            out["r"] = o.response_id
         return out
     out["s"] = o.status
     if o.kind is OutcomeKind.TRY:

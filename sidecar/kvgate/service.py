@@ -218,6 +218,9 @@ class DecisionService:
             if o.kind is OutcomeKind.FIRST:
                 assert o.decision_id is not None
                 self.registry.prefill_done(o.decision_id)
+                if o.response_id is not None:
+                    # The backend stores this response: the conversation's next turn must come back.
+                    self.sessions.remember(session_key("r", o.response_id), o.backend)
                 continue
             if o.kind is OutcomeKind.DROP:
                 assert o.decision_id is not None

@@ -115,6 +115,7 @@ class SessionStore:
         self.ttl = int(config.session_ttl_s)
         self._set_get = True  # Redis >= 7 accepts SET NX GET; older servers get two commands
         self._batch = Batch(client) if client is not None else None
+        self._writes: set[asyncio.Task[None]] = set()
 
     def _key(self, key: str) -> str:
         return f"{self.config.prefix}:s:{key}"
@@ -185,7 +186,7 @@ class SessionStore:
         if entry is not None:
             return entry[0], True
         self.local.set(key, node, 0.0)
-        self._dirty[key] = node
+        self._mark_dirty(key, node)
         return node, False
 
     async def _set_nx_get(self, rkey: str, node: str) -> bytes | str | None:
@@ -211,13 +212,36 @@ class SessionStore:
             except (RedisError, OSError) as exc:
                 self._failed(exc, "rebind")
         self.local.set(key, node, 0.0)
+        self._mark_dirty(key, node)
+
+    def _mark_dirty(self, key: str, node: str) -> None:
+        """A binding Redis has not seen, written back when it answers again. Bounded like the local
+        map; without Redis at all there is nothing to write back."""
+        if self.client is None:
+            return
         self._dirty[key] = node
+        if len(self._dirty) > self.local.capacity:
+            self._dirty.pop(next(iter(self._dirty)))
 
     def remember(self, key: str, node: str) -> None:
-        """Bind ``key`` to ``node`` without waiting: kept locally now, written to Redis within
-        ``TTL_REFRESH_EVERY_S`` (by the refresh loop) so other replicas learn it."""
+        """Bind ``key`` to ``node``, a fact a backend reported (it stores a response): kept locally
+        now and written to Redis in this turn's pipeline, overriding any guess, so that another
+        replica taking the next turn milliseconds later finds it. The caller does not wait."""
         self.local.set(key, node, time.monotonic())
-        self._dirty[key] = node
+        if not self.redis_ok:
+            self._mark_dirty(key, node)
+            return
+        task = asyncio.create_task(self._write(key, node))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write(self, key: str, node: str) -> None:
+        assert self._batch is not None
+        try:
+            await self._batch.call("set", self._key(key), node, ex=self.ttl)
+        except (RedisError, OSError) as exc:
+            self._failed(exc, "remember")
+            self._mark_dirty(key, node)
 
     async def _flush_dirty(self) -> None:
         """Write back bindings made while Redis was down; first binding still wins."""

@@ -50,11 +50,11 @@ local function run_protocol()
         local items = {}
         for j, o in ipairs(case.outcomes) do
             if o.kind == "first" then
-                items[j] = protocol.first(o.decision_id, o.backend)
+                items[j] = protocol.first(o.decision_id, o.backend, nn(o.response_id))
             elseif o.kind == "end" then
                 items[j] = protocol.ended(nn(o.decision_id), o.backend, o.status, o.sent, nn(o.ttft),
                                           nn(o.duration), o.cut, nn(o.prompt_tokens),
-                                          nn(o.completion_tokens))
+                                          nn(o.completion_tokens), nn(o.response_id))
             elseif o.kind == "try" then
                 items[j] = protocol.tried(o.backend, o.status)
             else

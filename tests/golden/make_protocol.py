@@ -44,11 +44,13 @@ FEATURES = [
 ]
 OUTCOMES = [
     (Outcome.first("1a2b.5f3c.7", "sim-1"),),
+    (Outcome.first("1a2b.5f3c.12", "sim-1", "resp_0f1e2d"),),  # a stored response, bound at once
     (Outcome.tried("sim-0", 502), Outcome.end("1a2b.5f3c.7", "sim-1", 200, True, 0.25, 1.5)),
     (Outcome.end("1a2b.5f3c.9", "sim-2", 504, False, None, 1.0),),
     (Outcome.end(None, "sim-2", 200, True, None, 0.125),),  # fail-open: no decision
     (Outcome.end("1a2b.5f3c.10", "sim-0", 200, True, 0.5, 0.75, cut=True),),
     (Outcome.end("1a2b.5f3c.11", "sim-0", 200, True, None, 0.5, False, 17, 64),),
+    (Outcome.end("1a2b.5f3c.12", "sim-1", 200, True, None, 0.5, response_id="resp_0f1e2d"),),
     (Outcome.drop("1a2b.5f3c.8"),),
 ]
 REPLIES = [
@@ -93,6 +95,7 @@ def outcome(o: Outcome) -> dict[str, object]:
         "cut": o.cut,
         "prompt_tokens": o.prompt_tokens,
         "completion_tokens": o.completion_tokens,
+        "response_id": o.response_id,
     }
 
 
