@@ -86,6 +86,8 @@ def test_lua_features_match_the_golden_file(phase: Phase) -> None:
     assert status == 200 and len(got) == len(cases)
     for case, lua in zip(cases, got, strict=True):
         lua["hashes"] = lua["hashes"] if lua.pop("n") else []  # cjson writes an empty table as {}
+        assert lua.pop("ffi_md5") is True, "Nginx's MD5 should be reachable through the FFI"
+        assert lua.pop("same_without_ffi") is True, case["name"]
         assert lua == case["expected"], case["name"]
 
 

@@ -8,8 +8,11 @@
 -- key:    session header (h:), the previous response (r:), OpenAI user field (u:), else derived from
 --         leading content (p:).
 
+local ffi         = require "ffi"
+
 local ngx_md5     = ngx.md5
 local type        = type
+local pcall       = pcall
 local concat      = table.concat
 local str_sub     = string.sub
 local math_floor  = math.floor
@@ -20,6 +23,22 @@ local MAX_CHUNKS  = 256   -- 128 KB (~32k tokens), as in features.py
 local KEY_BYTES   = 1024
 local KEY_CHUNKS  = 16
 local KEY_VERBATIM = 64   -- longer session values are stored as their md5: Redis keys stay small
+
+-- Nginx's own MD5, exported by every Nginx build (OpenResty's included): the chunk hashes are fed
+-- straight from the message strings, with no substring or concatenation of the prompt, which at 50 KB
+-- was most of the gateway's Lua time. Without it (a declaration clash) the same hashes come from
+-- ngx.md5 over substrings.
+local HAVE_FFI_MD5 = pcall(ffi.cdef, [[
+typedef struct { uint64_t bytes; uint32_t a, b, c, d; unsigned char buffer[64]; } kvgate_md5_t;
+void ngx_md5_init(kvgate_md5_t *ctx);
+void ngx_md5_update(kvgate_md5_t *ctx, const void *data, size_t size);
+void ngx_md5_final(unsigned char result[16], kvgate_md5_t *ctx);
+]]) and pcall(function() return ffi.C.ngx_md5_init end)
+local md5_ctx = HAVE_FFI_MD5 and ffi.new("kvgate_md5_t")
+local md5_out = HAVE_FFI_MD5 and ffi.new("unsigned char[16]")
+local hex_out = HAVE_FFI_MD5 and ffi.new("char[16]")
+local HEX = "0123456789abcdef"
+local hex_digit = ffi.new("char[17]", HEX)
 
 local _M = { _VERSION = "0.1.0", CHUNK_BYTES = CHUNK_BYTES }
 
@@ -57,7 +76,8 @@ local function is_message_list(v)
     return type(v) == "table" and type(v[1]) == "table"
 end
 
--- Returns the canonical text and the text the derived key hashes (nil for completions).
+-- The canonical text as a list of parts (never concatenated: at 50 KB the copy alone costs more
+-- than hashing), its length, and the text the derived key hashes (nil for completions).
 local function canonical(body)
     local messages = body.messages
     local input = body.input
@@ -82,30 +102,78 @@ local function canonical(body)
         end
     end
     if type(messages) == "table" then
-        local parts, n, first_user = {}, 0, nil
+        local parts, n, len, first_user = {}, 0, 0, nil
         for _, m in ipairs(messages) do
             if type(m) == "table" then
                 local text = content_text(m.content)
                 local role = type(m.role) == "string" and m.role or ""
-                n = n + 1
-                parts[n] = role .. ":" .. text .. "\n"
+                parts[n + 1], parts[n + 2], parts[n + 3], parts[n + 4] = role, ":", text, "\n"
+                n = n + 4
+                len = len + #role + #text + 2
                 if first_user == nil and role == "user" then
                     first_user = text
                 end
             end
         end
-        return concat(parts), first_user
+        return parts, len, first_user
     end
     local prompt = body.prompt
     if type(prompt) == "table" and #prompt == 1 then
         prompt = prompt[1]
     end
-    return type(prompt) == "string" and prompt or "", nil
+    prompt = type(prompt) == "string" and prompt or ""
+    return { prompt }, #prompt, nil
 end
 
-local function chunk_hashes(text)
+local function hex16(raw)
+    for i = 0, 7 do
+        local b = raw[i]
+        hex_out[2 * i] = hex_digit[math_floor(b / 16)]
+        hex_out[2 * i + 1] = hex_digit[b % 16]
+    end
+    return ffi.string(hex_out, 16)
+end
+
+-- Chained chunk hashes over the parts, fed to Nginx's MD5 from the strings themselves.
+local function chunk_hashes_ffi(parts, n)
+    local C = ffi.C
     local hashes = {}
-    local n = math_min(math_floor(#text / CHUNK_BYTES), MAX_CHUNKS)
+    if n == 0 then
+        return hashes
+    end
+    local chunk, fill = 1, 0
+    C.ngx_md5_init(md5_ctx)
+    for i = 1, #parts do
+        local part = parts[i]
+        local plen, pos = #part, 0
+        local ptr = ffi.cast("const char *", part)
+        while pos < plen do
+            local take = math_min(CHUNK_BYTES - fill, plen - pos)
+            C.ngx_md5_update(md5_ctx, ptr + pos, take)
+            pos, fill = pos + take, fill + take
+            if fill == CHUNK_BYTES then
+                C.ngx_md5_final(md5_out, md5_ctx)
+                local prev = hex16(md5_out)
+                hashes[chunk] = prev
+                if chunk == n then
+                    return hashes
+                end
+                chunk, fill = chunk + 1, 0
+                C.ngx_md5_init(md5_ctx)
+                C.ngx_md5_update(md5_ctx, prev, 16)
+            end
+        end
+    end
+    return hashes
+end
+
+-- The same hashes from ngx.md5 over substrings (when the FFI declaration is not available).
+local function chunk_hashes_plain(parts, n)
+    local hashes = {}
+    if n == 0 then
+        return hashes
+    end
+    local text = str_sub(concat(parts), 1, n * CHUNK_BYTES)
     local prev = ""
     for i = 1, n do
         local start = (i - 1) * CHUNK_BYTES + 1
@@ -116,10 +184,12 @@ local function chunk_hashes(text)
     return hashes
 end
 
+local chunk_hashes = HAVE_FFI_MD5 and chunk_hashes_ffi or chunk_hashes_plain
+
 -- body: decoded JSON table; session_value: the session header's value or nil.
 function _M.extract(body, session_value)
-    local text, first_user = canonical(body)
-    local hashes = chunk_hashes(text)
+    local parts, len, first_user = canonical(body)
+    local hashes = chunk_hashes(parts, math_min(math_floor(len / CHUNK_BYTES), MAX_CHUNKS))
     local key, source
     local user = body.user
     local previous = body.previous_response_id
@@ -133,8 +203,8 @@ function _M.extract(body, session_value)
         key, source = "p:" .. md5_16(str_sub(first_user, 1, KEY_BYTES)), "prefix"
     elseif #hashes > 0 then
         key, source = "p:" .. hashes[math_min(#hashes, KEY_CHUNKS)], "prefix"
-    elseif #text > 0 then
-        key, source = "p:" .. md5_16(text), "prefix"
+    elseif len > 0 then
+        key, source = "p:" .. md5_16(concat(parts)), "prefix"   -- shorter than one chunk
     else
         source = "none"
     end
@@ -142,7 +212,14 @@ function _M.extract(body, session_value)
     if type(model) ~= "string" or model == "" then
         model = nil
     end
-    return { model = model, key = key, key_source = source, hashes = hashes, prompt_bytes = #text }
+    return { model = model, key = key, key_source = source, hashes = hashes, prompt_bytes = len }
+end
+
+-- For tests: whether the hashes come from the FFI path, and the other path on demand.
+_M.ffi_md5 = HAVE_FFI_MD5
+function _M.plain_hashes(body)
+    local parts, len = canonical(body)
+    return chunk_hashes_plain(parts, math_min(math_floor(len / CHUNK_BYTES), MAX_CHUNKS))
 end
 
 return _M

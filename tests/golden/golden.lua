@@ -29,7 +29,11 @@ local function run_features()
         local headers = case.headers ~= null and case.headers or {}
         local f = features.extract(case.body, headers["X-Session-ID"])
         out[i] = { model = f.model or null, key = f.key or null, key_source = f.key_source,
-                   hashes = f.hashes, prompt_bytes = f.prompt_bytes, n = #f.hashes }
+                   hashes = f.hashes, prompt_bytes = f.prompt_bytes, n = #f.hashes,
+                   -- the fallback path (ngx.md5 over substrings) must give the same hashes
+                   same_without_ffi = table.concat(features.plain_hashes(case.body), ",")
+                                      == table.concat(f.hashes, ","),
+                   ffi_md5 = features.ffi_md5 }
     end
     return out
 end
