@@ -11,7 +11,7 @@ from pathlib import Path
 from kvgate.config import PolicyName
 
 from kvgate_bench import live, report
-from kvgate_bench.report import Progress, Sample, Summary
+from kvgate_bench.report import Progress, Summary
 from kvgate_bench.workloads import add_workload_args, build_workload
 from vllm_sim.profiles import PROFILES, get_profile
 
@@ -26,8 +26,7 @@ def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
     head = report.header(argv)
     for n in args.backends:
         cached = virtual.pooled_cache_ideal(reqs, n, profile)
-        total = sum(r.prompt_tokens for r in reqs)
-        ideal = sum(cached) / total if total else 0.0
+        ideal = sum(cached) / max(1, sum(r.prompt_tokens for r in reqs))
         zero_q = virtual.zero_queue_ttft(reqs, cached, profile)
         rows: list[Summary] = []
         cdfs: dict[str, list[float]] = {}
@@ -43,38 +42,10 @@ def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
                     speedup,
                     progress=Progress(f"{n} backends, {name}, x{speedup:g}"),
                 )
-                samples = [
-                    Sample(
-                        r.ttft,
-                        r.itl,
-                        r.e2e,
-                        r.output_tokens,
-                        True,
-                        r.backend,
-                        r.prompt_tokens,
-                        r.cached_tokens,
-                    )
-                    for r in run.results
-                ]
-                prefill: dict[str, float] = {}
-                for r in run.results:
-                    prefill[r.backend] = prefill.get(r.backend, 0.0) + r.prompt_tokens - r.cached_tokens
-                hit = sum(r.cached_tokens for r in run.results) / total if total else 0.0
-                makespan = max((r.arrival + r.e2e for r in run.results), default=0.0)
-                row = report.summarize(
-                    name,
-                    samples,
-                    makespan,
-                    hit,
-                    prefill,
-                    ideal_hit_rate=ideal,
-                    zero_queue_ttft=sum(zero_q) / len(zero_q),
-                    speedup=speedup,
-                    note=f"{run.bound_violations} bound violations, {run.wall_s:.0f}s wall",
-                )
+                row = virtual.summarize_run(name, run, ideal, sum(zero_q) / len(zero_q), speedup)
                 rows.append(row)
                 if speedup == args.speedups[0]:
-                    cdfs[name] = [s.ttft for s in samples]
+                    cdfs[name] = [r.ttft for r in run.results]
                 print(
                     f"  {name:16} x{speedup:<5g} TTFT mean {row.ttft_mean:.3f}s p90 {row.ttft_p90:.3f}s "
                     f"hit {row.hit_rate:.1%} (ideal {ideal:.1%}) imbalance {row.imbalance:.2f} "
@@ -97,15 +68,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+# Subcommands with a parser of their own: name -> (module, help).
+OWN_PARSERS = {
+    "load": ("kvgate_bench.load", "closed-loop load: the sidecar's decision budget under N clients"),
+    "faults": ("kvgate_bench.faults", "fault injection suite, fuzz corpus and soak"),
+    "overhead": ("kvgate_bench.gateway_overhead", "latency and CPU each gateway adds over a plain proxy"),
+    "decisions": ("kvgate_bench.decision_latency", "the sidecar's decision latency, alone and in bursts"),
+    "sim-capacity": ("kvgate_bench.sim_capacity", "how many simulated instances this machine keeps on time"),
+    "twin": ("kvgate_bench.twin", "live against virtual on the same window, repeated"),
+}
+
+
 def _main(argv: list[str]) -> int:
-    if argv and argv[0] == "load":
-        from kvgate_bench import load
+    if argv and argv[0] in OWN_PARSERS:
+        import importlib
 
-        return load.main(argv[1:])
-    if argv and argv[0] == "faults":
-        from kvgate_bench import faults
-
-        return faults.main(argv[1:])
+        module = importlib.import_module(OWN_PARSERS[argv[0]][0])
+        code: int = module.main(argv[1:])
+        return code
     p = argparse.ArgumentParser(prog="kvgate-bench", description=__doc__)
     sub = p.add_subparsers(dest="mode", required=True)
     v = sub.add_parser(
@@ -120,9 +100,8 @@ def _main(argv: list[str]) -> int:
     v.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
     v.add_argument("--out", default="bench-results/virtual")
     live.add_parsers(sub)
-    sub.add_parser(
-        "load", help="closed-loop load: the sidecar's decision budget under N clients", add_help=False
-    )
+    for name, (_, text) in OWN_PARSERS.items():
+        sub.add_parser(name, help=text, add_help=False)
     args = p.parse_args(argv)
     if args.mode == "virtual":
         return cmd_virtual(args, argv)

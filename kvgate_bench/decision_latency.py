@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,7 @@ def burst(socket_path: Path, size: int, n: int, rounds: int) -> dict[str, float]
     return stats
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 51_200, 512_000], help="prompt bytes")
     p.add_argument("--requests", type=int, default=2000)
@@ -122,7 +123,7 @@ def main() -> None:
     p.add_argument("--burst", type=int, default=0, help="N simultaneous decisions per round (0: sequential)")
     p.add_argument("--rounds", type=int, default=30, help="bursts per prompt size")
     p.add_argument("--out", default="bench-results/decision_latency.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     out_dir = Path(args.out).parent
     sup = Supervisor(out_dir / "decision-latency-run")
     results: dict[str, Any] = {"backends": args.backends, "sessions": args.sessions, "sizes": {}}
@@ -186,6 +187,8 @@ def main() -> None:
         sup.stop_all()
     write_json(Path(args.out), results)
 
+    return 0
+
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -34,7 +34,15 @@ from typing import Any
 
 import redis
 from kvgate.nginx_conf import NginxSettings
-from kvgate.tools.launcher import Replica, Supervisor, free_port, free_ports, get_json, launch_replica
+from kvgate.tools.launcher import (
+    Replica,
+    Supervisor,
+    free_port,
+    free_ports,
+    get_json,
+    launch_replica,
+    process_tree,
+)
 
 from kvgate_bench import fuzz, report
 
@@ -218,6 +226,9 @@ class Scenario:
     total_outage: bool = False
     # The fault heals itself (a restart by the supervisor): recovery counts from the fault.
     self_healing: bool = False
+    # The fault replaces a gateway process (sidecar, Nginx workers): the soak leaves it out, so that
+    # its memory figures are those of processes that lived through the whole soak.
+    replaces_gateway: bool = False
 
 
 def _noop(stack: Stack) -> None:
@@ -292,6 +303,7 @@ SCENARIOS: dict[str, Scenario] = {
             lambda st: st.signal(st.replica.sidecar_name, signal.SIGKILL),
             _noop,
             self_healing=True,
+            replaces_gateway=True,
         ),
         Scenario(
             "sidecar SIGSTOP",
@@ -303,12 +315,13 @@ SCENARIOS: dict[str, Scenario] = {
             lambda st: st.signal(st.replica.sidecar_name, signal.SIGTERM),
             _noop,
             self_healing=True,
+            replaces_gateway=True,
         ),
         Scenario("redis SIGKILL", lambda st: st.sup.kill("redis"), _restart_redis),  # down until healed
         Scenario("slow redis", _slow_redis, _noop, self_healing=True),
         Scenario("all backends down", _all_down, lambda st: st.heal(), total_outage=True),
         Scenario("backend added and removed", _add_and_remove, _noop, self_healing=True),
-        Scenario("five nginx reloads", _reloads, _noop, self_healing=True),
+        Scenario("five nginx reloads", _reloads, _noop, self_healing=True, replaces_gateway=True),
         Scenario("client abort storm", _abort_storm, _noop, self_healing=True),
     ]
 }
@@ -335,13 +348,15 @@ def score(name: str, results: Sequence[Result], fault_at: float, heal_at: float,
         designed = [r for r in failed if r.start < heal_at and r.end > fault_at]
         by_design += len(designed)
         failed = [r for r in failed if r not in designed]
+    # Recovered: the last request that was not ok, counted from the heal (which for a fault that heals
+    # itself is the fault), when ok requests came after it.
     recover = None
     ends = sorted(results, key=lambda r: r.end)
     last_bad = max((r.end for r in ends if r.outcome != OK and r.end >= fault_at), default=None)
     if last_bad is None:
         recover = 0.0
     elif any(r.outcome == OK and r.start > last_bad for r in ends):
-        recover = max(0.0, last_bad - fault_at)
+        recover = max(0.0, last_bad - heal_at)
     return Score(
         name, len(results), ok, by_design, len(failed), recover, None, sorted({r.detail for r in failed})
     )
@@ -398,13 +413,11 @@ def rss_kb(pids: Sequence[int]) -> int:
 
 
 def gateway_pids(stack: Stack) -> list[int]:
-    from kvgate.tools.launcher import _family
-
     out = []
     for name in (stack.replica.sidecar_name, stack.replica.nginx_name):
         proc = stack.sup.procs.get(name)
         if proc is not None:
-            out += _family(proc.pid)
+            out += process_tree(proc.pid)
     return out
 
 
@@ -451,12 +464,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def soak(stack: Stack, seconds: float, concurrency: int) -> dict[str, Any]:
-    """Load with faults cycling through the scenarios for ``seconds``; the gateway's memory (sidecar and
-    Nginx, resident) after a warm-up and at the end."""
-    cycle = [s for s in SCENARIOS.values() if not s.total_outage]
+    """Load with faults cycling through the scenarios for ``seconds`` (those that replace a gateway
+    process left out); every request classified; the resident memory of the sidecar and each Nginx
+    process after a warm-up and at the end."""
+    cycle = [s for s in SCENARIOS.values() if not s.total_outage and not s.replaces_gateway]
     with Load(stack.port, concurrency) as load:
         time.sleep(30)
-        start_rss = rss_kb(gateway_pids(stack))
+        pids = gateway_pids(stack)
+        start_rss = {pid: rss_kb([pid]) for pid in pids}
         t0 = time.monotonic()
         i = 0
         while time.monotonic() - t0 < seconds:
@@ -466,14 +481,26 @@ def soak(stack: Stack, seconds: float, concurrency: int) -> dict[str, Any]:
             sc.heal(stack)
             time.sleep(10)
             i += 1
-        end_rss = rss_kb(gateway_pids(stack))
-    ok = sum(1 for r in load.results if r.outcome == OK)
+        end_rss = {pid: rss_kb([pid]) for pid in pids}
+    lived = [pid for pid in pids if end_rss[pid] > 0]
+    start, end = sum(start_rss[p] for p in lived), sum(end_rss[p] for p in lived)
+    failures: dict[str, int] = {}
+    for r in load.results:
+        if r.outcome == FAILED:
+            failures[r.detail] = failures.get(r.detail, 0) + 1
     return {
         "seconds": seconds,
-        "requests": len(load.results),
-        "ok": ok,
+        "scenarios": [s.name for s in cycle],
         "faults_injected": i,
-        "rss_start_kb": start_rss,
-        "rss_end_kb": end_rss,
-        "rss_growth": (end_rss - start_rss) / start_rss if start_rss else None,
+        "requests": len(load.results),
+        "ok": sum(1 for r in load.results if r.outcome == OK),
+        "failed_by_design": sum(1 for r in load.results if r.outcome == BY_DESIGN),
+        "failed": sum(failures.values()),
+        "failures": failures,
+        "processes": len(pids),
+        "processes_lived_through": len(lived),
+        "rss_start_kb": start,
+        "rss_end_kb": end,
+        "rss_growth": (end - start) / start if start else None,
+        "rss_by_process_kb": {str(p): [start_rss[p], end_rss[p]] for p in pids},
     }

@@ -1,13 +1,24 @@
-"""Latency the kvgate gateway adds over a plain Nginx ``proxy_pass`` to the same backend.
+"""Latency and CPU each gateway adds over a plain Nginx ``proxy_pass`` to the same backend.
 
-The backend is a static Nginx server that answers like vLLM (fixed chat completion, /health,
-/metrics, /v1/models), so its own cost is small and identical for every path. Three paths are
-measured side by side at a fixed request rate, for each prompt size: plain ``proxy_pass``; the
-kvgate gateway (Lua reads and hashes the body, asks the sidecar, balancer applies the pick); and the
-gateway with the sidecar stopped (fail-open). Requests alternate between the paths so both see the
-same machine. Added latency = gateway percentile - plain percentile.
+The backend is a static Nginx server that answers like vLLM (a fixed chat completion, /health,
+/metrics, /v1/models, and ``POST /v1/chat/completions/render`` with the prompt's token ids, one per
+4 bytes, which vllm-router's ``cache_aware`` asks for on every request), so its own cost is small and
+the same for every gateway. Targets, side by side:
 
-    python -m kvgate_bench.gateway_overhead --sizes 1024 51200 512000 --requests 1000 --rate 100
+- ``plain``: Nginx ``proxy_pass``, 2 workers, upstream keepalive;
+- ``kvgate``: the gateway (Lua reads, checks and hashes the body, asks the sidecar, the balancer
+  applies the pick, the log phase reports), 2 workers, its sidecar;
+- ``vllm-router:round_robin`` and ``vllm-router:cache_aware``, from the benchmark's own virtualenv
+  (skipped with a printed reason when it cannot be installed).
+
+Requests are interleaved target by target (the order rotates with each request), so every target
+sees the same machine. Two modes per prompt size: sequential (one client, open loop at ``--rate``
+requests per second per target) and concurrent (``--concurrency`` closed-loop clients). Added latency
+= the target's percentile minus the plain proxy's. CPU per request = the user + system time of the
+target's processes (from ``/proc``, master, workers and sidecar included) over the concurrent run,
+divided by its requests. Last, kvgate with its sidecar stopped (fail-open).
+
+    kvgate-bench overhead --sizes 1024 51200 512000
 """
 
 from __future__ import annotations
@@ -15,15 +26,21 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import statistics
+import sys
+import threading
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvgate.nginx_conf import DEBIAN_MODULES, NginxSettings, find_nginx
-from kvgate.tools.launcher import Supervisor, free_port, launch_replica, wait_listening
+from kvgate.tools.launcher import Supervisor, free_port, launch_replica, process_tree, wait_listening
 
-from kvgate_bench.report import pct, write_json
+from kvgate_bench import phases, report
+from kvgate_bench.live import PEER_VENV, ensure_peer_venv
 
 MODEL = "bench-model"
 COMPLETION = json.dumps(
@@ -41,25 +58,55 @@ METRICS = (
     'vllm:num_requests_waiting{model_name="bench-model",engine="0"} 0\\n'
     'vllm:kv_cache_usage_perc{model_name="bench-model",engine="0"} 0.1\\n'
 )
+PEERS = ("vllm-router:round_robin", "vllm-router:cache_aware")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def _modules() -> str:
     return "\n".join(f"load_module {m};" for m in DEBIAN_MODULES if Path(m).exists())
 
 
+# vLLM's render answers the prompt's token ids (and its features, none for text). One id per 4 bytes
+# of body stands in for the tokenizer; the answer is cached per length, so the backend stays cheap.
+RENDER_LUA = """
+local cache = {}
+return function()
+  ngx.req.read_body()
+  local body = ngx.req.get_body_data()
+  if not body then
+    local f = io.open(ngx.req.get_body_file(), "rb"); body = f:read("*a"); f:close()
+  end
+  local n = math.max(1, math.floor(#body / 4))
+  local out = cache[n]
+  if not out then
+    local ids = {}
+    for i = 1, n do ids[i] = tostring(1000 + i % 30000) end
+    out = '{"request_id":"render-bench","token_ids":[' .. table.concat(ids, ",")
+          .. '],"features":null,"model":"bench-model"}'
+    cache[n] = out
+  end
+  ngx.header["Content-Type"] = "application/json"
+  ngx.print(out)
+end
+"""
+
+
 def static_backend_conf(run: Path, port: int) -> str:
+    (run / "render.lua").write_text(RENDER_LUA)
     return f"""{_modules()}
 worker_processes 1; daemon off; pid {run}/backend.pid; error_log {run}/backend-error.log warn;
-events {{ worker_connections 1024; }}
+events {{ worker_connections 4096; }}
 http {{
   access_log off; client_body_temp_path {run}/nginx-tmp/body; client_max_body_size 16m;
-  client_body_buffer_size 4m;
+  client_body_buffer_size 4m; keepalive_requests 1000000;
+  init_by_lua_block {{ render = dofile("{run}/render.lua") }}
   server {{
-    listen 127.0.0.1:{port};
+    listen 127.0.0.1:{port} backlog=4096;
     location = /health {{ return 200 ''; }}
     location = /metrics {{ default_type text/plain; return 200 '{METRICS}'; }}
     location = /v1/models {{ default_type application/json;
       return 200 '{{"object":"list","data":[{{"id":"{MODEL}","object":"model"}}]}}'; }}
+    location ~ /render$ {{ content_by_lua_block {{ render() }} }}
     location / {{ default_type application/json; return 200 '{COMPLETION}'; }}
   }}
 }}
@@ -69,13 +116,13 @@ http {{
 def plain_proxy_conf(run: Path, port: int, backend: int) -> str:
     return f"""{_modules()}
 worker_processes 2; daemon off; pid {run}/plain.pid; error_log {run}/plain-error.log warn;
-events {{ worker_connections 1024; }}
+events {{ worker_connections 4096; }}
 http {{
   access_log off; client_body_temp_path {run}/nginx-tmp/body; proxy_temp_path {run}/nginx-tmp/proxy;
-  client_max_body_size 16m; client_body_buffer_size 4m;
-  upstream backend {{ server 127.0.0.1:{backend}; keepalive 64; }}
+  client_max_body_size 16m; client_body_buffer_size 1m; keepalive_requests 1000000;
+  upstream backend {{ server 127.0.0.1:{backend}; keepalive 256; keepalive_requests 1000000; }}
   server {{
-    listen 127.0.0.1:{port};
+    listen 127.0.0.1:{port} backlog=4096;
     location / {{ proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection "";
                  proxy_buffering off; }}
   }}
@@ -90,60 +137,205 @@ def body_of(size: int, i: int) -> bytes:
     ).encode()
 
 
-def measure(ports: list[int], size: int, n: int, rate: float) -> list[list[float]]:
-    """Latencies per port, requests interleaved (a, b, a, b, ...) at ``rate`` so that every path sees
-    the same machine conditions."""
-    conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=10) for port in ports]
-    bodies = [body_of(size, i) for i in range(n)]
-    out: list[list[float]] = [[] for _ in ports]
-    interval = 1.0 / rate
+@dataclass
+class Target:
+    name: str
+    port: int
+    pids: Callable[[], list[int]]
+    latencies: list[float] = field(default_factory=list)
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system time of ``pids`` (threads, dead ones included, count in their process)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / CLK_TCK
+
+
+def _post(conn: http.client.HTTPConnection, body: bytes, name: str) -> float:
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    resp.read()
+    elapsed = time.perf_counter() - t0
+    if resp.status != 200:
+        raise RuntimeError(f"{name}: status {resp.status}")
+    return elapsed
+
+
+def sequential(targets: Sequence[Target], size: int, n: int, rate: float) -> None:
+    """One client, open loop: ``rate`` requests per second per target, interleaved."""
+    conns = [http.client.HTTPConnection("127.0.0.1", t.port, timeout=30) for t in targets]
+    interval = 1.0 / (rate * len(targets))
     start = time.perf_counter()
-    for i, body in enumerate(bodies):
-        for k, conn in enumerate(conns):
-            target = start + (i * len(conns) + k) * interval
-            delay = target - time.perf_counter()
+    k = 0
+    for i in range(n):
+        body = body_of(size, i)
+        for j in range(len(targets)):
+            idx = (i + j) % len(targets)
+            delay = start + k * interval - time.perf_counter()
+            k += 1
             if delay > 0:
                 time.sleep(delay)
-            t0 = time.perf_counter()
-            conn.request(
-                "POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"}
-            )
-            resp = conn.getresponse()
-            resp.read()
-            out[k].append(time.perf_counter() - t0)
-            if resp.status != 200:
-                raise RuntimeError(f"status {resp.status} on port {ports[k]}")
+            targets[idx].latencies.append(_post(conns[idx], body, targets[idx].name))
     for conn in conns:
         conn.close()
-    return out
+
+
+def concurrent(targets: Sequence[Target], size: int, n: int, clients: int) -> dict[str, float]:
+    """``clients`` closed-loop clients, each sending its share of ``n`` requests to every target in
+    turn. Returns each target's CPU seconds over the run."""
+    before = {t.name: cpu_seconds(t.pids()) for t in targets}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        conns = [http.client.HTTPConnection("127.0.0.1", t.port, timeout=60) for t in targets]
+        mine: list[list[float]] = [[] for _ in targets]
+        try:
+            for i in range(c, n, clients):
+                body = body_of(size, i)
+                for j in range(len(targets)):
+                    idx = (i + j) % len(targets)
+                    mine[idx].append(_post(conns[idx], body, targets[idx].name))
+        except BaseException as exc:  # reported by the caller, not lost in a thread
+            errors.append(exc)
+        finally:
+            for conn in conns:
+                conn.close()
+            with lock:
+                for t, values in zip(targets, mine, strict=True):
+                    t.latencies.extend(values)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"concurrent run failed: {errors[0]}")
+    return {t.name: cpu_seconds(t.pids()) - before[t.name] for t in targets}
 
 
 def ms(values: list[float], q: float) -> float:
-    return pct(values, q) * 1000
+    return report.pct(values, q) * 1000
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def rows_for(targets: Sequence[Target], cpu: dict[str, float] | None, n: int) -> dict[str, dict[str, float]]:
+    plain = targets[0].latencies
+    out: dict[str, dict[str, float]] = {}
+    for t in targets:
+        row = {
+            "p50_ms": ms(t.latencies, 0.5),
+            "p99_ms": ms(t.latencies, 0.99),
+            "mean_ms": statistics.fmean(t.latencies) * 1000,
+            "added_p50_ms": ms(t.latencies, 0.5) - ms(plain, 0.5),
+            "added_p99_ms": ms(t.latencies, 0.99) - ms(plain, 0.99),
+        }
+        if cpu is not None:
+            row["cpu_ms_per_request"] = cpu[t.name] / n * 1000
+        out[t.name] = row
+    return out
+
+
+def print_rows(title: str, rows: dict[str, dict[str, float]]) -> None:
+    print(title, flush=True)
+    for name, r in rows.items():
+        cpu = f"  CPU {r['cpu_ms_per_request']:.3f} ms/req" if "cpu_ms_per_request" in r else ""
+        print(
+            f"  {name:26} p50 {r['p50_ms']:7.3f} p99 {r['p99_ms']:7.3f} | added p50 {r['added_p50_ms']:+.3f}"
+            f" p99 {r['added_p99_ms']:+.3f} ms{cpu}",
+            flush=True,
+        )
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [
+        "| size | mode | target | p50 ms | p99 ms | added p50 ms | added p99 ms | CPU ms/request |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for size, modes in results["sizes"].items():
+        for mode, rows in modes.items():
+            for name, r in rows.items():
+                cpu = f"{r['cpu_ms_per_request']:.3f}" if "cpu_ms_per_request" in r else ""
+                lines.append(
+                    f"| {int(size) / 1024:g} KB | {mode} | {name} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
+                    f"{r['added_p50_ms']:+.3f} | {r['added_p99_ms']:+.3f} | {cpu} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def start_peer(sup: Supervisor, target: str, backend: int) -> Target:
+    kind, _, policy = target.partition(":")
+    port = free_port()
+    argv = [
+        str(PEER_VENV / "bin" / kind),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--worker-urls", f"http://127.0.0.1:{backend}",
+        "--policy", policy,
+        "--prometheus-port", str(free_port()),
+        "--log-level", "warning",  # no log line per request, as kvgate's access log is off here
+    ]  # fmt: skip
+    proc = sup.spawn(target.replace(":", "-"), argv)
+    wait_listening(proc, port=port, timeout=60)
+    deadline = time.monotonic() + 60
+    while True:  # routes once its worker passed the health check
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            _post(conn, body_of(64, 0), target)
+            conn.close()
+            break
+        except (OSError, RuntimeError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    return Target(target, port, lambda: process_tree(proc.pid))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="kvgate-bench overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 51_200, 512_000])
-    p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--rate", type=float, default=100.0, help="requests per second (open loop, one client)")
-    p.add_argument("--out", default="bench-results/gateway_overhead.json")
-    args = p.parse_args()
-    sup = Supervisor(Path(args.out).parent / "gateway-overhead-run")
+    p.add_argument("--requests", type=int, default=1000, help="per target and size, sequential mode")
+    p.add_argument("--rate", type=float, default=25.0, help="sequential: requests per second per target")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--concurrent-requests", type=int, default=2000, help="per target and size")
+    p.add_argument("--no-peers", action="store_true", help="only the plain proxy and kvgate")
+    p.add_argument("--phase-iterations", type=int, default=300, help="per size, for the per-phase breakdown")
+    p.add_argument("--out", default="bench-results/gateway-overhead")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    sup = Supervisor(out / "run")
     run = sup.run_dir
     (run / "nginx-tmp" / "body").mkdir(parents=True, exist_ok=True)
     (run / "nginx-tmp" / "proxy").mkdir(parents=True, exist_ok=True)
     nginx = find_nginx()
-    results: dict[str, Any] = {"rate": args.rate, "requests": args.requests, "sizes": {}}
+    results: dict[str, Any] = {"args": vars(args), "notes": [], "sizes": {}}
+    peers: list[str] = []
+    if not args.no_peers:
+        if ensure_peer_venv() is None:
+            results["notes"].append("vllm-router skipped: it could not be installed")
+        else:
+            peers = list(PEERS)
     try:
-        backend, plain = free_port(), free_port()
+        backend, plain_port = free_port(), free_port()
         (run / "backend.conf").write_text(static_backend_conf(run, backend))
-        (run / "plain.conf").write_text(plain_proxy_conf(run, plain, backend))
-        for name, port in (("backend", backend), ("plain", plain)):
-            proc = sup.spawn(
+        (run / "plain.conf").write_text(plain_proxy_conf(run, plain_port, backend))
+        procs = {}
+        for name, port in (("backend", backend), ("plain", plain_port)):
+            procs[name] = sup.spawn(
                 name, [nginx, "-p", str(run), "-c", str(run / f"{name}.conf"), "-e", str(run / f"{name}.log")]
             )
-            wait_listening(proc, port=port)
+            wait_listening(procs[name], port=port)
         socket_path = run / "sidecar.sock"
         cfg = {
             "listen": {"socket": str(socket_path), "http_port": free_port()},
@@ -155,43 +347,70 @@ def main() -> None:
             listen=f"127.0.0.1:{gw}", socket=str(socket_path), run_dir=str(run), workers=2
         )
         replica = launch_replica(sup, "gateway", cfg, settings)
+
+        def kvgate_pids() -> list[int]:
+            return [
+                pid
+                for name in (replica.sidecar_name, replica.nginx_name)
+                if name in sup.procs
+                for pid in process_tree(sup.procs[name].pid)
+            ]
+
+        targets = [
+            Target("plain", plain_port, lambda: process_tree(procs["plain"].pid)),
+            Target("kvgate", gw, kvgate_pids),
+        ]
+        for peer in peers:
+            targets.append(start_peer(sup, peer, backend))
         for size in args.sizes:
-            measure([plain, gw], size, 50, args.rate)
-            plain_t, gw_t = measure([plain, gw], size, args.requests, args.rate)
-            row = {
-                "plain_p50_ms": ms(plain_t, 0.5),
-                "plain_p99_ms": ms(plain_t, 0.99),
-                "gateway_p50_ms": ms(gw_t, 0.5),
-                "gateway_p99_ms": ms(gw_t, 0.99),
-                "added_p50_ms": ms(gw_t, 0.5) - ms(plain_t, 0.5),
-                "added_p99_ms": ms(gw_t, 0.99) - ms(plain_t, 0.99),
-                "added_mean_ms": (statistics.fmean(gw_t) - statistics.fmean(plain_t)) * 1000,
-            }
-            results["sizes"][str(size)] = row
-            print(
-                f"{size / 1024:6.1f} KB: plain p50 {row['plain_p50_ms']:.3f} p99 {row['plain_p99_ms']:.3f} | "
-                f"gateway p50 {row['gateway_p50_ms']:.3f} p99 {row['gateway_p99_ms']:.3f} | added p50 "
-                f"{row['added_p50_ms']:+.3f} ms p99 {row['added_p99_ms']:+.3f} ms",
-                flush=True,
+            size_rows: dict[str, Any] = {}
+            for t in targets:
+                t.latencies = []
+            sequential(targets, size, 50, args.rate * 4)  # warm-up: connections, caches, JIT
+            for t in targets:
+                t.latencies = []
+            sequential(targets, size, args.requests, args.rate)
+            size_rows["sequential"] = rows_for(targets, None, args.requests)
+            print_rows(
+                f"{size / 1024:g} KB, sequential at {args.rate:g} req/s per target:", size_rows["sequential"]
             )
+            for t in targets:
+                t.latencies = []
+            cpu = concurrent(targets, size, args.concurrent_requests, args.concurrency)
+            size_rows["concurrent"] = rows_for(targets, cpu, args.concurrent_requests)
+            print_rows(f"{size / 1024:g} KB, {args.concurrency} concurrent clients:", size_rows["concurrent"])
+            results["sizes"][str(size)] = size_rows
+        results["phases_lua_us"] = phases.lua_phases(sup, str(socket_path), args.sizes, args.phase_iterations)
+        results["phases_sidecar_us"] = phases.sidecar_phases(args.sizes, args.phase_iterations)
+        print(phases.markdown(results["phases_lua_us"], results["phases_sidecar_us"]), flush=True)
         sup.stop(replica.sidecar_name)
         results["fail_open"] = {}
+        pair = targets[:2]
         for size in args.sizes:
-            plain_t, fo_t = measure([plain, gw], size, args.requests, args.rate)
-            row = {
-                "added_p50_ms": ms(fo_t, 0.5) - ms(plain_t, 0.5),
-                "added_p99_ms": ms(fo_t, 0.99) - ms(plain_t, 0.99),
-            }
-            results["fail_open"][str(size)] = row
+            for t in pair:
+                t.latencies = []
+            sequential(pair, size, args.requests, args.rate)
+            results["fail_open"][str(size)] = rows_for(pair, None, args.requests)["kvgate"]
+            r = results["fail_open"][str(size)]
             print(
-                f"{size / 1024:6.1f} KB, sidecar down (fail-open): added p50 {row['added_p50_ms']:+.3f} ms "
-                f"p99 {row['added_p99_ms']:+.3f} ms",
+                f"{size / 1024:g} KB, sidecar down (fail-open): added p50 {r['added_p50_ms']:+.3f} ms "
+                f"p99 {r['added_p99_ms']:+.3f} ms",
                 flush=True,
             )
     finally:
         sup.stop_all()
-    write_json(Path(args.out), results)
+    report.write_json(out / "gateway-overhead.json", results)
+    head = report.header(["overhead", *(sys.argv[1:] if argv is None else argv)])
+    text = f"# Gateway overhead\n\n`{head['command']}`\n\n{markdown(results)}"
+    if "phases_lua_us" in results:
+        text += "\nPer phase, median microseconds:\n\n"
+        text += phases.markdown(results["phases_lua_us"], results["phases_sidecar_us"])
+    for note in results["notes"]:
+        text += f"\n{note}\n"
+    (out / "report.md").write_text(text)
+    print(f"wrote {out / 'report.md'}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -235,8 +235,12 @@ def ensure_peer_venv() -> Path | None:
     return bin_dir
 
 
-def start_target(sup: Supervisor, target: str, workers: list[str], time_scale: float) -> str:
-    """Start ``target`` in front of ``workers``; returns its base URL once it routes."""
+def start_target(
+    sup: Supervisor, target: str, workers: list[str], time_scale: float, peer_cpus: str | None = None
+) -> str:
+    """Start ``target`` in front of ``workers``; returns its base URL once it routes. ``peer_cpus``
+    (a ``taskset`` CPU list) pins a peer router, for a peer that would otherwise starve the
+    simulators of CPU."""
     kind, _, policy = target.partition(":")
     port = free_port()
     if kind == "kvgate":
@@ -268,6 +272,8 @@ def start_target(sup: Supervisor, target: str, workers: list[str], time_scale: f
         argv = [str(PEER_VENV / "bin" / kind), "launch", *common, "--prometheus-port", str(free_port())]
     else:
         raise ValueError(f"unknown target {target}")
+    if peer_cpus:
+        argv = ["taskset", "-c", peer_cpus, *argv]
     proc = sup.spawn(kind, argv)
     wait_listening(proc, port=port, timeout=60)
     url = f"http://127.0.0.1:{port}"
@@ -276,6 +282,54 @@ def start_target(sup: Supervisor, target: str, workers: list[str], time_scale: f
         proc, "it lists the workers' model", lambda: bool(get_json(url + "/v1/models").get("data")), 60
     )
     return url
+
+
+def run_target(
+    args: argparse.Namespace,
+    target: str,
+    speedup: float,
+    reqs: Sequence[BenchRequest],
+    out: Path,
+    peer_cpus: str | None = None,
+) -> tuple[Summary, list[float]]:
+    """One live run: fresh simulated backends (clean caches), ``target`` in front of them, the
+    workload at ``speedup``. Returns its summary and its TTFTs (simulated seconds)."""
+    sup = Supervisor(out / "run" / target.replace(":", "-"))
+    try:
+        port = free_ports(args.backends)
+        sup.start_sim(
+            port,
+            args.backends,
+            "sim",
+            "--model",
+            args.model,
+            "--profile",
+            args.profile,
+            "--time-scale",
+            str(args.time_scale),
+        )
+        workers = [f"http://127.0.0.1:{port + i}" for i in range(args.backends)]
+        url = start_target(sup, target, workers, args.time_scale, peer_cpus)
+        lr = asyncio.run(
+            run_live(url, reqs, speedup * args.time_scale, workers, Progress(f"{target} x{speedup:g}"))
+        )
+        gw = gateway_ttfts(sup.run_dir / "nginx-access.log")
+    finally:
+        sup.stop_all()
+    row = summarize_live(target, lr, args.time_scale, speedup, gw)
+    gw_note = (
+        f"(gateway p50 {row.gateway_ttft_p50:.3f}s vs client {row.ttft_p50:.3f}s) "
+        if row.gateway_ttft_p50 is not None
+        else ""
+    )
+    print(
+        f"  {target:30} x{speedup:<4g} TTFT mean {row.ttft_mean:.3f}s p90 {row.ttft_p90:.3f}s "
+        f"{gw_note}"
+        f"hit {row.hit_rate:.1%} imbalance {row.imbalance:.2f} errors {row.errors} "
+        f"{'' if row.valid else 'INVALID ' + row.note}",
+        file=sys.stderr,
+    )
+    return row, [s.ttft * args.time_scale for s in lr.samples if s.ok]
 
 
 def add_parsers(sub: Any) -> None:
@@ -296,6 +350,10 @@ def add_parsers(sub: Any) -> None:
     cp.add_argument("--time-scale", type=float, default=4.0)
     cp.add_argument("--targets", nargs="+", default=[f"kvgate:{p}" for p in KVGATE_POLICIES] + PEER_TARGETS)
     cp.add_argument("--no-peers", action="store_true", help="skip the peer routers")
+    cp.add_argument(
+        "--repeats", type=int, default=1, help="runs of each target (the report shows the spread)"
+    )
+    cp.add_argument("--peer-cpus", help="taskset CPU list for the peer routers, e.g. 1")
     cp.add_argument("--out", default="bench-results/compare")
 
 
@@ -329,51 +387,17 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     cdfs: dict[str, list[float]] = {}
     out = Path(args.out)
     for speedup in args.speedups:
-        for target in targets:
-            sup = Supervisor(out / "run" / target.replace(":", "-"))
-            try:
-                port = free_ports(args.backends)
-                sup.start_sim(
-                    port,
-                    args.backends,
-                    "sim",
-                    "--model",
-                    args.model,
-                    "--profile",
-                    args.profile,
-                    "--time-scale",
-                    str(args.time_scale),
-                )
-                workers = [f"http://127.0.0.1:{port + i}" for i in range(args.backends)]
-                url = start_target(sup, target, workers, args.time_scale)
-                lr = asyncio.run(
-                    run_live(
-                        url, reqs, speedup * args.time_scale, workers, Progress(f"{target} x{speedup:g}")
-                    )
-                )
-                gw = gateway_ttfts(sup.run_dir / "nginx-access.log")
-            except (OSError, RuntimeError, TimeoutError) as exc:
-                notes.append(f"{target} x{speedup:g} failed to run: {exc}")
-                print(notes[-1], file=sys.stderr)
-                continue
-            finally:
-                sup.stop_all()
-            row = summarize_live(target, lr, args.time_scale, speedup, gw)
-            rows.append(row)
-            if speedup == args.speedups[0]:
-                cdfs[target] = [s.ttft * args.time_scale for s in lr.samples if s.ok]
-            gw_note = (
-                f"(gateway p50 {row.gateway_ttft_p50:.3f}s vs client {row.ttft_p50:.3f}s) "
-                if row.gateway_ttft_p50 is not None
-                else ""
-            )
-            print(
-                f"  {target:30} x{speedup:<4g} TTFT mean {row.ttft_mean:.3f}s p90 {row.ttft_p90:.3f}s "
-                f"{gw_note}"
-                f"hit {row.hit_rate:.1%} imbalance {row.imbalance:.2f} errors {row.errors} "
-                f"{'' if row.valid else 'INVALID ' + row.note}",
-                file=sys.stderr,
-            )
+        for repeat in range(args.repeats):
+            for target in targets:
+                try:
+                    row, ttfts = run_target(args, target, speedup, reqs, out, args.peer_cpus)
+                except (OSError, RuntimeError, TimeoutError) as exc:
+                    notes.append(f"{target} x{speedup:g} failed to run: {exc}")
+                    print(notes[-1], file=sys.stderr)
+                    continue
+                rows.append(row)
+                if speedup == args.speedups[0] and repeat == 0:
+                    cdfs[target] = ttfts
     path = report.write(
         out, f"live compare, {args.workload}, {args.backends} backends", head, rows, cdfs, notes
     )

@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -127,7 +128,7 @@ async def run_scale(
     )
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--instances", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=64)
@@ -137,7 +138,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--port", type=int, default=18400)
     p.add_argument("--out", default="bench-results/sim_capacity.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     runs = []
     for scale in args.scales:
         sup = Supervisor(Path(args.out).parent / "sim-capacity-run")
@@ -162,6 +163,8 @@ def main() -> None:
         {"instances": args.instances, "concurrency": args.concurrency, "runs": [asdict(r) for r in runs]},
     )
 
+    return 0
+
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -25,6 +25,7 @@ from kvgate.policies import SessionAction
 from kvgate.protocol import Outcome
 from kvgate.sidecar import build_sidecar
 
+from kvgate_bench.report import Sample, Summary, summarize
 from kvgate_bench.workloads import TRACE_BLOCK_TOKENS, BenchRequest
 from vllm_sim.engine import Engine, EngineConfig, Request, TokenEvent
 from vllm_sim.kv_cache import BLOCK_SIZE, block_hashes
@@ -248,3 +249,28 @@ def zero_queue_ttft(requests: Sequence[BenchRequest], cached: Sequence[int], pro
         u = max(1, r.prompt_tokens - c)
         out.append(profile.frontend_s + math.ceil(u / budget) * profile.t0_s + profile.alpha_s * u)
     return out
+
+
+def summarize_run(name: str, run: Run, ideal: float, zero_queue: float, speedup: float) -> Summary:
+    """A replay's figures in the form every report uses."""
+    samples = [
+        Sample(r.ttft, r.itl, r.e2e, r.output_tokens, True, r.backend, r.prompt_tokens, r.cached_tokens)
+        for r in run.results
+    ]
+    prefill: dict[str, float] = {}
+    for r in run.results:
+        prefill[r.backend] = prefill.get(r.backend, 0.0) + r.prompt_tokens - r.cached_tokens
+    total = sum(r.prompt_tokens for r in run.results)
+    hit = sum(r.cached_tokens for r in run.results) / total if total else 0.0
+    makespan = max((r.arrival + r.e2e for r in run.results), default=0.0)
+    return summarize(
+        name,
+        samples,
+        makespan,
+        hit,
+        prefill,
+        ideal_hit_rate=ideal,
+        zero_queue_ttft=zero_queue,
+        speedup=speedup,
+        note=f"{run.bound_violations} bound violations, {run.wall_s:.0f}s wall",
+    )

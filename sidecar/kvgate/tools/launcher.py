@@ -98,7 +98,7 @@ def _unix_listen_inodes(path: Path) -> set[str]:
     return inodes
 
 
-def _family(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
     """``pid`` and its descendants."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
@@ -122,7 +122,7 @@ def owns_socket(pid: int, inodes: set[str]) -> bool:
     if not inodes:
         return False
     targets = {f"socket:[{i}]" for i in inodes}
-    for p in _family(pid):
+    for p in process_tree(pid):
         try:
             fds = list(Path(f"/proc/{p}/fd").iterdir())
         except OSError:
