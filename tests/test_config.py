@@ -58,3 +58,10 @@ def test_example_config_in_the_repo_is_valid() -> None:
 
     c = Config.from_file(Path(__file__).parents[1] / "kvgate.example.yaml", env={})
     assert len(c.backends) >= 1
+
+
+@pytest.mark.parametrize("bid", ["a b", "x\x1fy", "sim\n0", "é", "x" * 129])
+def test_backend_ids_are_visible_ascii(bid: str) -> None:
+    """Ids name backends in response headers and metric labels, and key the prefix index."""
+    with pytest.raises(ConfigError, match="id"):
+        Config.from_mapping({"backends": [{"id": bid, "url": "http://127.0.0.1:8000"}]}, {})

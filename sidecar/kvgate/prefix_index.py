@@ -13,7 +13,10 @@ prefix that every conversation shares is no reason to send a new conversation to
 Memory is bounded with two generations: new entries go to ``current``; when it holds half the budget,
 ``current`` becomes ``previous`` and the old ``previous`` is dropped. A hit in ``previous`` is copied
 forward, so prefixes in use survive and cold ones age out in O(1) amortised time, with no per-entry LRU
-bookkeeping on the hot path.
+bookkeeping on the hot path. Each generation is stored as a few small dicts (segments of at most
+``max_entries / SEGMENTS``), and a dropped one is freed a few hundred entries per ``record``: growing
+one dict past 350,000 entries (a resize) or freeing half a million at once each stalled a decision for
+3 to 12 ms.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 HOT_FANOUT = 3  # continuations seen after a chunk that make it a shared branching point
 MAX_HOLDERS = 8  # a prefix recorded on more nodes than this is everywhere: keep the latest few
+FREE_PER_RECORD = 512  # entries of a dropped generation freed per record() call
+SEGMENTS = 16  # per max_entries: a segment holds at most max_entries / SEGMENTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,18 +36,75 @@ class Match:
     shared: int  # leading chunks that are common to many requests (up to the deepest branching point)
 
 
-# An entry: (holders, fan-out). Tuples keep the index compact and copy-free to age.
-_Entry = tuple[tuple[str, ...], int]
+# An entry is one string: the fan-out digit, then each holder between separators ("2|b1|b3|"). A
+# string, not a tuple: a dict of strings is invisible to Python's cyclic GC, and a million tracked
+# entries made each full collection stall a decision for 13 ms. Backend ids never contain SEP (the
+# config refuses control characters in them).
+_Entry = str
+SEP = "\x1f"
+
+
+def _entry(holders: Sequence[str], fanout: int) -> _Entry:
+    return f"{min(fanout, HOT_FANOUT)}{SEP}{SEP.join(holders)}{SEP}"
+
+
+def _fanout(e: _Entry) -> int:
+    return ord(e[0]) - 48
+
+
+def _holders(e: _Entry) -> list[str]:
+    return e[2:-1].split(SEP)
+
+
+class _Generation:
+    """Entries of one generation, in segments (newest last) so that no dict grows large."""
+
+    def __init__(self, segment: int) -> None:
+        self.segment = segment
+        self.parts: list[dict[str, _Entry]] = [{}]
+        self.size = 0
+
+    def get(self, h: str) -> _Entry | None:
+        parts = self.parts
+        for i in range(len(parts) - 1, -1, -1):
+            found = parts[i].get(h)
+            if found is not None:
+                return found
+        return None
+
+    def set(self, h: str, entry: _Entry) -> None:
+        """Overwrite in place where a segment holds ``h``, else add it."""
+        for part in self.parts:
+            if h in part:
+                part[h] = entry
+                return
+        self.add_new([h], entry)
+
+    def add_new(self, keys: Sequence[str], entry: _Entry) -> None:
+        """Add keys no segment holds (a new chain's hashes): appended to the newest segment, a new one
+        when it is full; one C loop per segment, not a generator."""
+        while keys:
+            last = self.parts[-1]
+            if len(last) >= self.segment:
+                last = {}
+                self.parts.append(last)
+            room = self.segment - len(last)
+            before = len(last)
+            last.update(dict.fromkeys(keys[:room], entry))
+            self.size += len(last) - before
+            keys = keys[room:]
 
 
 class PrefixIndex:
     def __init__(self, max_entries: int = 1_000_000) -> None:
         self.max_entries = max_entries
-        self._current: dict[str, _Entry] = {}
-        self._previous: dict[str, _Entry] = {}
+        self._segment = max(1, max_entries // SEGMENTS)
+        self._current = _Generation(self._segment)
+        self._previous = _Generation(self._segment)
+        self._retired: list[dict[str, _Entry]] = []  # segments of dropped generations, freed bit by bit
 
     def __len__(self) -> int:
-        return len(self._current) + len(self._previous)
+        return self._current.size + self._previous.size
 
     def _get(self, h: str) -> _Entry | None:
         found = self._current.get(h)
@@ -53,15 +115,30 @@ class PrefixIndex:
         return found
 
     def _put(self, h: str, entry: _Entry) -> None:
-        self._current[h] = entry
-        if len(self._current) >= self.max_entries // 2:
-            self._previous = self._current
-            self._current = {}
+        self._current.set(h, entry)
+        if self._current.size >= self.max_entries // 2:
+            self._age()
+
+    def _age(self) -> None:
+        self._retired += self._previous.parts
+        self._previous = self._current
+        self._current = _Generation(self._segment)
+
+    def _free_some(self) -> None:
+        budget = FREE_PER_RECORD
+        while self._retired and budget > 0:
+            old = self._retired[-1]
+            n = min(budget, len(old))
+            for _ in range(n):
+                old.popitem()
+            budget -= n
+            if not old:
+                self._retired.pop()
 
     def match(self, hashes: Sequence[str], eligible: Collection[str]) -> Match:
         """Leading chunks each eligible backend probably holds, and how many are widely shared."""
         alive: set[str] = set()
-        last_nodes: tuple[str, ...] | None = None
+        last_nodes: str | None = None
         depth: dict[str, int] = {}
         shared = 0
         i = 0
@@ -69,15 +146,14 @@ class PrefixIndex:
             entry = self._get(h)
             if entry is None:
                 break
-            nodes, fanout = entry
-            if fanout >= HOT_FANOUT:
+            if _fanout(entry) >= HOT_FANOUT:
                 shared = i + 1
+            nodes = entry[1:]
             if nodes != last_nodes:
                 # Holders only change where conversations branch; between branches the walk is one
                 # dict lookup per chunk.
-                here = (
-                    {n for n in nodes if n in eligible} if last_nodes is None else alive.intersection(nodes)
-                )
+                held = _holders(entry)
+                here = {n for n in held if n in eligible} if last_nodes is None else alive.intersection(held)
                 for gone in alive - here:
                     depth[gone] = i
                 alive = here
@@ -90,29 +166,30 @@ class PrefixIndex:
 
     def record(self, hashes: Sequence[str], node: str) -> None:
         """Remember that ``node`` was sent (and so will cache) every chunk of ``hashes``."""
-        current, previous = self._current, self._previous
+        if self._retired:
+            self._free_some()
+        needle = f"{SEP}{node}{SEP}"
         for i, h in enumerate(hashes):
-            entry = current.get(h) or previous.get(h)
+            current, previous = self._current, self._previous
+            in_current = current.get(h)
+            entry = in_current or previous.get(h)
             if entry is None:
                 self._insert_new(hashes, i, node)
                 return
-            nodes, fanout = entry
-            if node not in nodes:
-                self._put(h, ((*nodes[-(MAX_HOLDERS - 1) :], node), fanout))
-            elif h not in current:
+            if needle not in entry:
+                self._put(h, _entry([*_holders(entry)[-(MAX_HOLDERS - 1) :], node], _fanout(entry)))
+            elif in_current is None:
                 self._put(h, entry)
 
     def _insert_new(self, hashes: Sequence[str], first: int, node: str) -> None:
         """Insert ``hashes[first:]``, all new: a chain hash never seen has no known descendants."""
         if first > 0:
             parent = hashes[first - 1]
-            holders, fanout = self._current.get(parent) or self._previous.get(parent) or ((node,), 0)
-            if fanout < HOT_FANOUT:
-                self._put(parent, (holders, fanout + 1))  # a new continuation of the parent
-        holders_new = (node,)
+            known = self._current.get(parent) or self._previous.get(parent) or _entry([node], 0)
+            if _fanout(known) < HOT_FANOUT:
+                self._put(parent, f"{_fanout(known) + 1}{known[1:]}")  # a new continuation of the parent
         tail = hashes[first:]
-        self._current.update(dict.fromkeys(tail[:-1], (holders_new, 1)))  # one C loop, not a generator
-        self._current[tail[-1]] = (holders_new, 0)
-        if len(self._current) >= self.max_entries // 2:
-            self._previous = self._current
-            self._current = {}
+        self._current.add_new(tail[:-1], _entry([node], 1))
+        self._current.add_new(tail[-1:], _entry([node], 0))  # no continuation yet
+        if self._current.size >= self.max_entries // 2:
+            self._age()

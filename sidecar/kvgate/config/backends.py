@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from kvgate.config.parse import ConfigError, check_keys, num
+
+# Backend ids appear in response headers, metric labels, Redis and the prefix index: visible ASCII
+# only, no spaces or control characters.
+BACKEND_ID = re.compile(r"[A-Za-z0-9._:@/+\-\[\]]{1,128}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +41,17 @@ class BackendSpec:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ConfigError(f"{where}.url: {url!r} must look like http://HOST:PORT (plain http to vLLM)")
-        bid = data.get("id") or f"{parts.hostname}:{parts.port or 80}"
+        bid = str(data.get("id") or f"{parts.hostname}:{parts.port or 80}")
+        if not BACKEND_ID.fullmatch(bid):
+            raise ConfigError(
+                f"{where}.id: {bid!r} must be 1-128 letters, digits or ._:@/+-[] (it names the backend in "
+                "headers and metrics)"
+            )
         labels = data.get("labels") or {}
         if not isinstance(labels, Mapping):
             raise ConfigError(f"{where}.labels: expected a mapping of label: value")
         return cls(
-            id=str(bid),
+            id=bid,
             url=url.rstrip("/"),
             weight=num(data, where, "weight", 1.0, 0.01, 1000.0),
             labels={str(k): str(v) for k, v in labels.items()},
