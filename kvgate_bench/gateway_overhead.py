@@ -143,6 +143,7 @@ class Target:
     port: int
     pids: Callable[[], list[int]]
     latencies: list[float] = field(default_factory=list)
+    parts: dict[str, Callable[[], list[int]]] = field(default_factory=dict)  # CPU shown per part too
 
 
 def cpu_seconds(pids: Sequence[int]) -> float:
@@ -190,7 +191,9 @@ def sequential(targets: Sequence[Target], size: int, n: int, rate: float) -> Non
 def concurrent(targets: Sequence[Target], size: int, n: int, clients: int) -> dict[str, float]:
     """``clients`` closed-loop clients, each sending its share of ``n`` requests to every target in
     turn. Returns each target's CPU seconds over the run."""
-    before = {t.name: cpu_seconds(t.pids()) for t in targets}
+    groups = {t.name: t.pids for t in targets}
+    groups.update({f"{t.name} ({part})": fn for t in targets for part, fn in t.parts.items()})
+    before = {name: cpu_seconds(fn()) for name, fn in groups.items()}
     errors: list[BaseException] = []
     lock = threading.Lock()
 
@@ -219,7 +222,7 @@ def concurrent(targets: Sequence[Target], size: int, n: int, clients: int) -> di
         t.join()
     if errors:
         raise RuntimeError(f"concurrent run failed: {errors[0]}")
-    return {t.name: cpu_seconds(t.pids()) - before[t.name] for t in targets}
+    return {name: cpu_seconds(fn()) - before[name] for name, fn in groups.items()}
 
 
 def ms(values: list[float], q: float) -> float:
@@ -239,6 +242,8 @@ def rows_for(targets: Sequence[Target], cpu: dict[str, float] | None, n: int) ->
         }
         if cpu is not None:
             row["cpu_ms_per_request"] = cpu[t.name] / n * 1000
+            for part in t.parts:
+                row[f"cpu_ms_per_request_{part}"] = cpu[f"{t.name} ({part})"] / n * 1000
         out[t.name] = row
     return out
 
@@ -247,6 +252,13 @@ def print_rows(title: str, rows: dict[str, dict[str, float]]) -> None:
     print(title, flush=True)
     for name, r in rows.items():
         cpu = f"  CPU {r['cpu_ms_per_request']:.3f} ms/req" if "cpu_ms_per_request" in r else ""
+        parts = [
+            (k.removeprefix("cpu_ms_per_request_"), v)
+            for k, v in r.items()
+            if k.startswith("cpu_ms_per_request_")
+        ]
+        if parts:
+            cpu += " (" + ", ".join(f"{k} {v:.3f}" for k, v in parts) + ")"
         print(
             f"  {name:26} p50 {r['p50_ms']:7.3f} p99 {r['p99_ms']:7.3f} | added p50 {r['added_p50_ms']:+.3f}"
             f" p99 {r['added_p99_ms']:+.3f} ms{cpu}",
@@ -263,6 +275,13 @@ def markdown(results: dict[str, Any]) -> str:
         for mode, rows in modes.items():
             for name, r in rows.items():
                 cpu = f"{r['cpu_ms_per_request']:.3f}" if "cpu_ms_per_request" in r else ""
+                parts = [
+                    f"{k.removeprefix('cpu_ms_per_request_')} {v:.3f}"
+                    for k, v in r.items()
+                    if k.startswith("cpu_ms_per_request_")
+                ]
+                if parts:
+                    cpu += " (" + ", ".join(parts) + ")"
                 lines.append(
                     f"| {int(size) / 1024:g} KB | {mode} | {name} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
                     f"{r['added_p50_ms']:+.3f} | {r['added_p99_ms']:+.3f} | {cpu} |"
@@ -348,17 +367,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         replica = launch_replica(sup, "gateway", cfg, settings)
 
+        def tree(name: str) -> Callable[[], list[int]]:
+            return lambda: process_tree(sup.procs[name].pid) if name in sup.procs else []
+
         def kvgate_pids() -> list[int]:
-            return [
-                pid
-                for name in (replica.sidecar_name, replica.nginx_name)
-                if name in sup.procs
-                for pid in process_tree(sup.procs[name].pid)
-            ]
+            return tree(replica.sidecar_name)() + tree(replica.nginx_name)()
 
         targets = [
-            Target("plain", plain_port, lambda: process_tree(procs["plain"].pid)),
-            Target("kvgate", gw, kvgate_pids),
+            Target("plain", plain_port, tree("plain")),
+            Target(
+                "kvgate",
+                gw,
+                kvgate_pids,
+                parts={"nginx": tree(replica.nginx_name), "sidecar": tree(replica.sidecar_name)},
+            ),
         ]
         for peer in peers:
             targets.append(start_peer(sup, peer, backend))
@@ -380,7 +402,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             size_rows["concurrent"] = rows_for(targets, cpu, args.concurrent_requests)
             print_rows(f"{size / 1024:g} KB, {args.concurrency} concurrent clients:", size_rows["concurrent"])
             results["sizes"][str(size)] = size_rows
-        results["phases_lua_us"] = phases.lua_phases(sup, str(socket_path), args.sizes, args.phase_iterations)
+        results["phases_lua_us"] = phases.lua_phases(
+            sup, str(socket_path), replica.http + "/metrics", args.sizes, args.phase_iterations
+        )
         results["phases_sidecar_us"] = phases.sidecar_phases(args.sizes, args.phase_iterations)
         print(phases.markdown(results["phases_lua_us"], results["phases_sidecar_us"]), flush=True)
         sup.stop(replica.sidecar_name)

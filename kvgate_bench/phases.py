@@ -10,8 +10,9 @@ Two halves, each with the project's real code:
   (``DecisionService.decide``: prefix index, session, policy, in-flight start, metrics), encoding the
   reply, and decoding + handling the request's outcome report.
 
-The socket and event-loop share of a round trip is the round trip minus the sidecar's decode, decide
-and encode.
+The live sidecar's own decision time during the Lua runs comes from its ``kvgate_decision_seconds``
+histogram (sum / count); the rest of a round trip (socket, both event loops, process wake-ups) is the
+round trip minus that and the sidecar's decode and encode.
 """
 
 from __future__ import annotations
@@ -60,8 +61,22 @@ http {{
 """
 
 
-def lua_phases(sup: Supervisor, socket: str, sizes: list[int], n: int) -> dict[str, dict[str, float]]:
-    """Median microseconds of each Nginx-side phase, per body size, against the sidecar at ``socket``."""
+def _decisions(metrics_url: str) -> tuple[float, float]:
+    """(sum of seconds, count) of the sidecar's decision-time histogram."""
+    total = count = 0.0
+    for line in urllib.request.urlopen(metrics_url, timeout=10).read().decode().splitlines():
+        if line.startswith("kvgate_decision_seconds_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith("kvgate_decision_seconds_count"):
+            count = float(line.split()[-1])
+    return total, count
+
+
+def lua_phases(
+    sup: Supervisor, socket: str, metrics_url: str, sizes: list[int], n: int
+) -> dict[str, dict[str, float]]:
+    """Median microseconds of each Nginx-side phase, per body size, against the sidecar at ``socket``,
+    and the live sidecar's mean decision time over the same calls (``live_decide``)."""
     run = sup.run_dir
     (run / "nginx-tmp" / "body").mkdir(parents=True, exist_ok=True)
     shutil.copy(PHASES_LUA, run / "phases.lua")
@@ -77,7 +92,11 @@ def lua_phases(sup: Supervisor, socket: str, sizes: list[int], n: int) -> dict[s
         for size in sizes:
             url = f"http://127.0.0.1:{port}/phases?size={size}&n={n}"
             urllib.request.urlopen(url.replace(f"n={n}", "n=20"), timeout=60).read()  # warm-up (JIT)
+            before = _decisions(metrics_url)
             out[str(size)] = json.loads(urllib.request.urlopen(url, timeout=300).read())
+            after = _decisions(metrics_url)
+            calls = after[1] - before[1]
+            out[str(size)]["live_decide"] = (after[0] - before[0]) / calls * 1e6 if calls else float("nan")
     finally:
         sup.stop("phases-nginx")
     return out
@@ -142,16 +161,16 @@ def sidecar_phases(sizes: list[int], n: int) -> dict[str, dict[str, float]]:
 def markdown(lua: dict[str, dict[str, float]], py: dict[str, dict[str, float]]) -> str:
     lines = [
         "| size | Lua: JSON decode | Lua: features | Lua: message encode | round trip to the sidecar | "
-        "sidecar: decode | sidecar: decide | sidecar: encode | socket + event loop | Lua: report encode | "
-        "sidecar: report |",
+        "sidecar: decode | sidecar: decide (live) | sidecar: encode | rest of the round trip | "
+        "Lua: report encode | sidecar: report |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, lp in lua.items():
         sp = py[size]
-        socket_share = lp["round_trip"] - sp["decode"] - sp["decide"] - sp["encode"]
+        rest = lp["round_trip"] - sp["decode"] - lp["live_decide"] - sp["encode"]
         lines.append(
             f"| {int(size) / 1024:g} KB | {lp['decode']:.0f} | {lp['features']:.0f} | {lp['encode']:.0f} | "
-            f"{lp['round_trip']:.0f} | {sp['decode']:.0f} | {sp['decide']:.0f} | {sp['encode']:.0f} | "
-            f"{socket_share:.0f} | {lp['report_encode']:.0f} | {sp['report']:.0f} |"
+            f"{lp['round_trip']:.0f} | {sp['decode']:.0f} | {lp['live_decide']:.0f} | {sp['encode']:.0f} | "
+            f"{rest:.0f} | {lp['report_encode']:.0f} | {sp['report']:.0f} |"
         )
     return "\n".join(lines) + "\n"

@@ -204,7 +204,9 @@ function _M.body_filter()
             -- arrive within milliseconds through any replica, so the binding leaves now.
             ctx.kv_rid = str_match(ngx.arg[1], '"id"%s*:%s*"(resp_[%w_%-]+)"')
         end
-        if ctx.kv_id then
+        -- A JSON response's first byte comes with its last (vLLM sends the body whole): its "end"
+        -- says all, one report instead of two.
+        if ctx.kv_id and (ctx.kv_stream or ctx.kv_rid) then
             _M.push(protocol.first(ctx.kv_id, ctx.kv_ids[ctx.kv_picks[ctx.kv_tries]], ctx.kv_rid))
             if ctx.kv_rid then
                 _M.flush_now()
