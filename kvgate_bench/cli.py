@@ -76,6 +76,7 @@ OWN_PARSERS = {
     "decisions": ("kvgate_bench.decision_latency", "the sidecar's decision latency, alone and in bursts"),
     "sim-capacity": ("kvgate_bench.sim_capacity", "how many simulated instances this machine keeps on time"),
     "twin": ("kvgate_bench.twin", "live against virtual on the same window, repeated"),
+    "levers": ("kvgate_bench.levers", "each compute-scheduling lever alone and together, in virtual time"),
 }
 
 

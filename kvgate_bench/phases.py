@@ -125,7 +125,7 @@ async def _sidecar_phases(sizes: list[int], n: int) -> dict[str, dict[str, float
             msg = protocol.decode_message(line)
             t1 = time.perf_counter()
             assert isinstance(msg, Decide)
-            routed = await sc.service.decide(msg.features, msg.decision_id)
+            routed = await sc.service.route(msg.features, msg.decision_id)
             t2 = time.perf_counter()
             protocol.line(
                 protocol.encode_reply(

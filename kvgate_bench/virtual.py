@@ -23,6 +23,8 @@ from kvgate.features import Features, extract
 from kvgate.load import Scraped
 from kvgate.policies import SessionAction
 from kvgate.protocol import Outcome
+from kvgate.queue import QueueFull, QueueTimeout
+from kvgate.service import Queued, Routed
 from kvgate.sidecar import build_sidecar
 
 from kvgate_bench.report import Sample, Summary, summarize
@@ -55,6 +57,7 @@ class Run:
     speedup: float
     results: list[Result] = field(default_factory=list)
     bound_violations: int = 0  # non-session decisions that picked a node above c x its fair share
+    rejected: int = 0  # refused by the gateway queue (full, or waited too long): 429s
     wall_s: float = 0.0
 
 
@@ -85,17 +88,27 @@ def replay(
     load_factor: float = 1.25,
     progress: Callable[[int, int], None] | None = None,
     routing: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    labels: Sequence[dict[str, str]] | None = None,
 ) -> Run:
+    """``extra``: more config sections (queue, pools, tokens); ``labels``: each backend's labels."""
     started = time.perf_counter()
     cfg = Config.from_mapping(
         {
             "redis": {"url": None},
             "routing": {"policy": policy.value, "load_factor": load_factor, **(routing or {})},
-            "backends": [{"id": f"sim-{i}", "url": f"http://sim-{i}:8000"} for i in range(backends)],
+            "backends": [
+                {"id": f"sim-{i}", "url": f"http://sim-{i}:8000", "labels": (labels or [{}] * backends)[i]}
+                for i in range(backends)
+            ],
+            **(extra or {}),
         }
     )
     core = build_sidecar(cfg, None)
     registry, service = core.registry, core.service
+    clock = [0.0]  # virtual time, for the gateway queue's waits
+    if service.queue is not None:
+        service.queue.clock = lambda: clock[0]
     registry.set_membership((b, False) for b in cfg.backends)
     models = frozenset({requests[0].model}) if requests else frozenset()
     for bid in registry.backends:
@@ -129,8 +142,10 @@ def replay(
                     float(e.counters.prefix_queries),
                     float(e.counters.prefix_hits),
                     at,
+                    float(e.counters.prompt_tokens),
                 ),
             )
+            service.tokens.counted(ids[i], float(e.counters.prompt_tokens))
         registry.changed()
 
     def finish(ev: TokenEvent) -> None:
@@ -159,24 +174,53 @@ def replay(
         if progress is not None and (done % 200 == 0 or done == len(requests)):
             progress(done, len(requests))
 
+    waiting: dict[str, tuple[BenchRequest, float]] = {}  # decision id -> (request, arrival)
+
+    def send(r: BenchRequest, routed: Routed, arrived: float, t: float) -> None:
+        primary = routed.decision.candidates[0]
+        i = ids.index(primary)
+        # The engine request keeps the client's arrival: a wait in the gateway queue counts in TTFT.
+        req = Request(f"r{r.rid}", r.prompt_ids(), r.output_tokens, arrived, ignore_eos=True)
+        meta[req.request_id] = (r.rid, routed.decision_id, primary, routed.decision.label)
+        awaiting_first.add(req.request_id)
+        heapq.heappush(events, (t + frontend, 2, next(seq), "enqueue", (i, req)))
+
+    def release(t: float) -> None:
+        """What Nginx would see when the gateway queue dispatches: each waiting request's answer."""
+        nonlocal done
+        if service.queue is None or not waiting:
+            return
+        for w, result in _sync(service.dispatch()):
+            r, arrived = waiting.pop(w.decision_id)
+            if isinstance(result, QueueTimeout) or not result.decision.candidates:
+                run.rejected += 1  # a 429 (or a 503) to the client
+                done += 1
+                continue
+            send(r, result, arrived, t)
+
     while events:
         t, _, _, kind, payload = heapq.heappop(events)
+        clock[0] = t
         if kind == "arrive":
             r = payload
             f = feats[r.rid]
             snap = registry.snapshot(f.model)
             admits = snap.bound_admits()
             under = {n for n in snap.nodes if admits(n)}  # before this decision counts itself
-            routed = _sync(service.decide(f))
-            primary = routed.decision.candidates[0]
-            if routed.decision.session is not SessionAction.KEEP and under and primary not in under:
-                run.bound_violations += 1
-            i = ids.index(primary)
-            req = Request(f"r{r.rid}", r.prompt_ids(), r.output_tokens, t, ignore_eos=True)
-            meta[req.request_id] = (r.rid, routed.decision_id, primary, routed.decision.label)
-            awaiting_first.add(req.request_id)
-            heapq.heappush(events, (t + frontend, 2, next(seq), "enqueue", (i, req)))
             remaining -= 1
+            try:
+                answer = _sync(service.decide(f))
+            except QueueFull:
+                run.rejected += 1
+                done += 1
+                continue
+            if isinstance(answer, Queued):
+                waiting[answer.decision_id] = (r, t)
+                continue
+            primary = answer.decision.candidates[0]
+            if answer.decision.session is not SessionAction.KEEP and under and primary not in under:
+                run.bound_violations += 1
+            send(r, answer, t, t)
         elif kind == "enqueue":
             i, queued = payload
             engines[i].add_request(queued)
@@ -194,6 +238,8 @@ def replay(
                     service.report([Outcome.first(decision, backend)])
                 if ev.finish_reason is not None:
                     finish(ev)
+            if pending[i]:
+                release(t)
             pending[i] = []
             result = engines[i].step(t)
             if result is None:
@@ -203,7 +249,8 @@ def replay(
             heapq.heappush(events, (result.end, 3, next(seq), "step", i))
         elif kind == "scrape":
             scrape()
-            if remaining or any(busy):
+            release(t)
+            if remaining or any(busy) or waiting:
                 heapq.heappush(events, (t + scrape_interval, 0, next(seq), "scrape", None))
     run.wall_s = time.perf_counter() - started
     return run

@@ -106,6 +106,8 @@ def test_lua_protocol_matches_the_golden_file(phase: Phase) -> None:
             assert (lua["candidates"] if lua["n"] else []) == want["candidates"] and lua["route"] == want[
                 "route"
             ]
+            assert lua["priority"] == want["priority"]
+            assert (lua["prefill"] if lua["np"] else []) == want["prefill"]
         elif want["kind"] == "error":
             expected = {"kind": "error", "code": want["code"], "message": want["message"], "decision": False}
             if want["retry_after"] is not None:

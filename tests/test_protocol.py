@@ -25,6 +25,7 @@ from kvgate.protocol import (
     PeersQuery,
     PeersReply,
     ProtocolError,
+    QueuedReply,
     Report,
 )
 
@@ -41,6 +42,7 @@ def features(d: dict[str, Any]) -> Features:
         d["client_key"],
         d["client_addr"],
         d["max_tokens"],
+        d["priority"],
     )
 
 
@@ -64,7 +66,15 @@ def outcome(d: dict[str, Any]) -> Outcome:
 def reply(d: dict[str, Any]) -> object:
     kind = d["kind"]
     if kind == "decision":
-        return DecisionReply(d["decision_id"], tuple(Candidate(*c) for c in d["candidates"]), d["route"])
+        return DecisionReply(
+            d["decision_id"],
+            tuple(Candidate(*c) for c in d["candidates"]),
+            d["route"],
+            d["priority"],
+            tuple(Candidate(*c) for c in d["prefill"]),
+        )
+    if kind == "queued":
+        return QueuedReply(d["decision_id"])
     if kind == "error":
         return ErrorReply(ErrorCode(d["code"]), d["message"], d["retry_after"])
     if kind == "keys":
@@ -113,20 +123,20 @@ def test_replies_encode_and_decode_as_golden(case: dict[str, Any]) -> None:
     [
         (b'{"op":"peers"}', ErrorCode.PROTOCOL_VERSION),
         (b'{"pv":1,"op":"peers"}', ErrorCode.PROTOCOL_VERSION),
-        (b'{"pv":2,"op":"nope"}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":3,"op":"nope"}', ErrorCode.BAD_REQUEST),
         (b"[1,2]", ErrorCode.BAD_REQUEST),
         (b"\xff\xfe", ErrorCode.BAD_REQUEST),
-        (b'{"pv":2,"op":"decide","i":"a","f":{"k":"h:\xed\xa0\x80"}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":2,"op":"decide","i":"a","f":{"k":"h:\\udfff"}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":2,"op":"decide","i":"a","f":{"b":NaN}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":2,"op":"decide","i":"a","f":{"b":1e400}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":2,"op":"decide","i":"a","f":{"h":"not a list"}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":2,"op":"decide","i":"a","f":[]}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":2,"op":"decide","f":{}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":2,"op":"decide","i":5,"f":{}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":2,"op":"report","o":[{"k":"end","i":7}]}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":2,"op":"report","o":[{"k":"sideways"}]}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":2,"op":"report","o":[{"k":"drop"}]}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":3,"op":"decide","i":"a","f":{"k":"h:\xed\xa0\x80"}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":3,"op":"decide","i":"a","f":{"k":"h:\\udfff"}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":3,"op":"decide","i":"a","f":{"b":NaN}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":3,"op":"decide","i":"a","f":{"b":1e400}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":3,"op":"decide","i":"a","f":{"h":"not a list"}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":3,"op":"decide","i":"a","f":[]}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":3,"op":"decide","f":{}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":3,"op":"decide","i":5,"f":{}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":3,"op":"report","o":[{"k":"end","i":7}]}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":3,"op":"report","o":[{"k":"sideways"}]}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":3,"op":"report","o":[{"k":"drop"}]}', ErrorCode.BAD_REQUEST),
     ],
 )
 def test_lines_that_are_not_messages_are_refused_with_a_code(raw: bytes, code: ErrorCode) -> None:
@@ -146,5 +156,5 @@ def test_a_refused_report_is_not_answered() -> None:
 
 
 def test_an_empty_table_from_lua_reads_as_no_hashes() -> None:
-    msg = protocol.decode_message(b'{"pv":2,"op":"decide","i":"x.1","f":{"ks":"none","b":0,"h":{}}}')
+    msg = protocol.decode_message(b'{"pv":3,"op":"decide","i":"x.1","f":{"ks":"none","b":0,"h":{}}}')
     assert isinstance(msg, Decide) and msg.features.hashes == ()

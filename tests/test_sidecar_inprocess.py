@@ -89,7 +89,7 @@ def test_two_services_racing_for_a_new_session_agree_on_one_backend(redis_url: s
             # Skew the loads so the two would pick differently if they did not agree through Redis.
             a.registry.inflight.update({"b0": 0, "b1": 9, "b2": 9})
             b.registry.inflight.update({"b0": 9, "b1": 9, "b2": 0})
-            ra, rb = await asyncio.gather(a.service.decide(f), b.service.decide(f))
+            ra, rb = await asyncio.gather(a.service.route(f), b.service.route(f))
             assert ra.candidates[0] == rb.candidates[0], i
             actions = {ra.decision.session, rb.decision.session}
             assert SessionAction.BIND in actions, actions  # exactly one claimed it first
@@ -104,13 +104,13 @@ def test_a_bound_session_is_kept_and_moves_only_when_its_backend_saturates(redis
         cfg = config(redis_url)
         client = redis_client(cfg)
         sc = core(cfg, client)
-        first = await sc.service.decide(features(1, session="s"))
+        first = await sc.service.route(features(1, session="s"))
         home = first.candidates[0].id
-        again = await sc.service.decide(features(1, 2, session="s"))
+        again = await sc.service.route(features(1, 2, session="s"))
         assert again.candidates[0].id == home and again.decision.session is SessionAction.KEEP
         sc.registry.scrape_ok(home, Scraped(4, 20, 0.5, None, None, asyncio.get_running_loop().time()))
         sc.registry.changed()
-        moved = await sc.service.decide(features(1, 3, session="s"))
+        moved = await sc.service.route(features(1, 3, session="s"))
         assert moved.candidates[0].id != home and moved.decision.session is SessionAction.REBIND
         assert client is not None
         stored = await client.get(f"{cfg.redis.prefix}:s:h:s")
@@ -127,13 +127,13 @@ def test_sessions_route_from_memory_while_redis_is_down_and_write_back_after() -
         client = redis_client(cfg)
         assert client is not None
         sc = core(cfg, client)
-        during = await sc.service.decide(features(5, session="down"))  # nothing listens yet
+        during = await sc.service.route(features(5, session="down"))  # nothing listens yet
         assert not sc.sessions.redis_ok
-        again = await sc.service.decide(features(5, 2, session="down"))
+        again = await sc.service.route(features(5, 2, session="down"))
         assert again.candidates[0] == during.candidates[0]
         sup.start_redis(port)
         await asyncio.sleep(0.06)  # past retry_after: the next decision tries Redis again
-        await sc.service.decide(features(6, session="other"))
+        await sc.service.route(features(6, session="other"))
         stored = await client.get(f"{cfg.redis.prefix}:s:h:down")
         assert stored is not None and stored.decode() == during.candidates[0].id
         await client.aclose()
@@ -153,7 +153,7 @@ def test_sessions_route_from_memory_while_redis_is_down_and_write_back_after() -
 def test_inflight_counts_rise_with_decisions_and_end_with_reports() -> None:
     async def scenario() -> None:
         sc = core(config(None), None)
-        routed = [await sc.service.decide(features(i)) for i in range(12)]
+        routed = [await sc.service.route(features(i)) for i in range(12)]
         assert sum(sc.registry.inflight.values()) == 12 and sum(sc.registry.inflight_tokens.values()) > 0
         sc.service.report([Outcome.first(r.decision_id, r.candidates[0].id) for r in routed])
         assert sum(sc.registry.inflight_tokens.values()) == 0  # first bytes: prefill done
@@ -171,11 +171,11 @@ def test_inflight_counts_rise_with_decisions_and_end_with_reports() -> None:
 def test_a_drop_ends_a_decision_even_when_it_overtakes_the_decision() -> None:
     async def scenario() -> None:
         sc = core(config(None), None)
-        counted = await sc.service.decide(features(1), "gw.1")
+        counted = await sc.service.route(features(1), "gw.1")
         sc.service.report([Outcome.drop("gw.1")])
         assert sc.registry.inflight_total() == 0 and sum(sc.registry.inflight.values()) == 0
         sc.service.report([Outcome.drop("gw.2")])  # Nginx gave up before the sidecar saw the request
-        late = await sc.service.decide(features(2), "gw.2")
+        late = await sc.service.route(features(2), "gw.2")
         assert late.candidates and sc.registry.inflight_total() == 0
         assert sum(sc.registry.inflight.values()) == 0 and counted.decision_id == "gw.1"
 
@@ -310,7 +310,7 @@ def test_a_burst_of_new_sessions_costs_redis_one_connection(redis_url: str) -> N
         probe = aioredis.Redis.from_url(redis_url)
         before = len(await probe.client_list())
         routed = await asyncio.gather(
-            *(sc.service.decide(features(i, session=f"burst-{i}")) for i in range(64))
+            *(sc.service.route(features(i, session=f"burst-{i}")) for i in range(64))
         )
         after = len(await probe.client_list())
         assert after - before <= 1, (before, after)

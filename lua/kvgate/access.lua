@@ -36,6 +36,8 @@ local MAX_DEPTH     = 64
 local MAX_TEXT      = 512    -- bytes of the session header or `user`
 local MAX_MODEL     = 256    -- bytes of `model`
 local MAX_TOKENS    = 2147483647
+local MIN_PRIORITY  = -2147483648
+local MAX_PRIORITY  = 2147483647
 local TEXT_FIELDS   = { model = MAX_MODEL, user = MAX_TEXT }
 local TOKEN_FIELDS  = { "max_tokens", "max_completion_tokens" }
 
@@ -116,6 +118,25 @@ local function invalid(body, session)
     if stream ~= nil and stream ~= cjson.null and type(stream) ~= "boolean" then
         return "`stream` must be true or false.", "stream"
     end
+    local priority = body.priority
+    if priority ~= nil and priority ~= cjson.null and (type(priority) ~= "number"
+                                                     or priority ~= math_floor(priority)
+                                                     or priority < MIN_PRIORITY or priority > MAX_PRIORITY) then
+        return "`priority` must be a whole number.", "priority"
+    end
+end
+
+-- The priority the client asked for: the body's (vLLM's field), else an X-Priority header.
+local function client_priority(body)
+    local p = body.priority
+    if type(p) == "number" then
+        return p
+    end
+    p = tonumber(ngx_var.http_x_priority)
+    if p and p == math_floor(p) and p >= MIN_PRIORITY and p <= MAX_PRIORITY then
+        return p
+    end
+    return nil
 end
 
 -- How long one try may wait for the response's next byte (see conf.lua), in ms.
@@ -202,8 +223,18 @@ function _M.run()
         mt = body.max_tokens
     end
     f.max_tokens = type(mt) == "number" and mt or nil
+    f.priority = client_priority(body)
     local ctx = ngx.ctx
     local id = next_id()
+    -- A client that goes away while its request waits in the gateway queue takes it out (with
+    -- lua_check_client_abort on; without it the request waits its turn, then ends as a 499).
+    if conf.queue then
+        ngx.on_abort(function()
+            reports.push(protocol.drop(id))
+            reports.flush_now()
+            return ngx.exit(499)
+        end)
+    end
     -- Reading and decoding a large body leaves Nginx's cached clock behind; the decision's budget
     -- must start now, not when the request arrived.
     ngx.update_time()
@@ -221,6 +252,15 @@ function _M.run()
     if code == "rate_limited" then
         ngx.header["Retry-After"] = tostring(retry_after or 1)
         return errors.send(429, err, nil, nil, "rate_limit_exceeded")
+    end
+    if code == "queue_full" or code == "queue_timeout" then
+        ngx.header["Retry-After"] = tostring(retry_after or 1)
+        return errors.send(429, err, "RateLimitError", nil, code)
+    end
+    if decision and decision.priority and body.priority == nil then
+        -- vLLM schedules by the body's priority: the gateway's (the key's class) goes with it.
+        body.priority = decision.priority
+        ngx.req.set_body_data(cjson.encode(body))
     end
     if decision and #decision.addrs > 0 then
         ctx.kv_id = id

@@ -27,6 +27,8 @@ local _M = {
     dict = "kvgate",                            -- the lua_shared_dict of the fail-open peers
     auth = false,                               -- check API keys (auth.lua); the config has keys
     limits = false,                             -- rate limits apply: read each response's usage
+    queue = false,                              -- the gateway queue is on (the sidecar may queue)
+    queue_heartbeat_ms = 500,                   -- a queued request hears from the sidecar this often
 }
 
 -- Refuses unknown keys and values of the wrong type: a typo in nginx.conf fails at startup.

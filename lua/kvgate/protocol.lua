@@ -10,7 +10,7 @@ local ngx_now  = ngx.now
 local type     = type
 local tostring = tostring
 
-local VERSION = 2
+local VERSION = 3
 local MISMATCH_LOG_EVERY_S = 10   -- loud, but not once per request
 
 local _M = { VERSION = VERSION }
@@ -28,7 +28,7 @@ function _M.decide(id, f)
     end
     return { pv = VERSION, op = "decide", i = id,
              f = { m = f.model, k = f.key, ks = f.key_source, h = hashes, b = f.prompt_bytes,
-                   ck = f.client_key, ca = f.client_addr, mt = f.max_tokens } }
+                   ck = f.client_key, ca = f.client_addr, mt = f.max_tokens, pr = f.priority } }
 end
 
 function _M.report(outcomes)
@@ -93,25 +93,48 @@ function _M.check(reply)
     return reply
 end
 
--- A decision: { id, ids = {backend ids}, addrs = {host:port}, route }, or nil, error message,
--- error code (the sidecar's, e.g. "unknown_model"; nil for a malformed reply), retry-after seconds.
-function _M.decision(reply)
-    if reply.e then
-        return nil, tostring(reply.msg), reply.e, reply.ra
-    end
-    local c = reply.c
-    if type(c) ~= "table" then
-        return nil, "decision without candidates"
-    end
+-- The request waits in the gateway queue: the decision follows on the same connection.
+function _M.queued(reply)
+    return reply.q ~= nil and reply.e == nil and reply.c == nil
+end
+
+local function pairs_of(c)
     local ids, addrs = {}, {}
     for i = 1, #c do
         local pair = c[i]
         if type(pair) ~= "table" or type(pair[1]) ~= "string" or type(pair[2]) ~= "string" then
-            return nil, "malformed candidate"
+            return nil
         end
         ids[i], addrs[i] = pair[1], pair[2]
     end
-    return { id = reply.i, ids = ids, addrs = addrs, route = reply.r }
+    return ids, addrs
+end
+
+-- A decision: { id, ids = {backend ids}, addrs = {host:port}, route, priority (to write into the
+-- body, or nil), prefill_ids, prefill_addrs (disaggregated, or nil) }, or nil, error message, error
+-- code (the sidecar's, e.g. "unknown_model"; nil for a malformed reply), retry-after seconds.
+function _M.decision(reply)
+    if reply.e then
+        return nil, tostring(reply.msg), reply.e, reply.ra
+    end
+    if type(reply.c) ~= "table" then
+        return nil, "decision without candidates"
+    end
+    local ids, addrs = pairs_of(reply.c)
+    if not ids then
+        return nil, "malformed candidate"
+    end
+    local out = { id = reply.i, ids = ids, addrs = addrs, route = reply.r }
+    if type(reply.pr) == "number" then
+        out.priority = reply.pr
+    end
+    if type(reply.pc) == "table" and #reply.pc > 0 then
+        out.prefill_ids, out.prefill_addrs = pairs_of(reply.pc)
+        if not out.prefill_ids then
+            return nil, "malformed prefill candidate"
+        end
+    end
+    return out
 end
 
 -- The fail-open peer list: version, { {id =, addr =}, ... }; or nil, error.

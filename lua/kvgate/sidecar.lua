@@ -13,9 +13,24 @@ local _M = {}
 local KEEPALIVE_MS   = 60000
 local KEEPALIVE_POOL = 64
 
+local function read_reply(sock)
+    local data, err = sock:receive("*l")
+    if not data then
+        return nil, "failed to receive: " .. err
+    end
+    local reply
+    reply, err = cjson.decode(data)
+    if not reply then
+        return nil, "failed to decode: " .. err
+    end
+    return protocol.check(reply)
+end
+
 -- Sends one message and, when want_reply, reads one line back. Returns the reply (checked for the
--- protocol version) or true, else nil and an error string.
-local function call(msg, want_reply, timeout_ms)
+-- protocol version) or true, else nil and an error string. With wait_ms, a reply saying the request
+-- is queued is followed on the same connection: heartbeat lines (each within wait_ms, or the sidecar
+-- is taken for gone and the caller falls open) until the decision or an error.
+local function call(msg, want_reply, timeout_ms, wait_ms)
     local line, err = cjson.encode(msg)
     if not line then
         return nil, "failed to encode: " .. err
@@ -34,18 +49,16 @@ local function call(msg, want_reply, timeout_ms)
     end
     local reply = true
     if want_reply then
-        local data
-        data, err = sock:receive("*l")
-        if not data then
-            sock:close()
-            return nil, "failed to receive: " .. err
+        reply, err = read_reply(sock)
+        if reply and wait_ms and protocol.queued(reply) then
+            sock:settimeouts(timeout_ms, timeout_ms, wait_ms)
+            while reply and protocol.queued(reply) do
+                reply, err = read_reply(sock)
+            end
+            if not reply then
+                err = "queue wait: " .. err
+            end
         end
-        reply, err = cjson.decode(data)
-        if not reply then
-            sock:close()
-            return nil, "failed to decode: " .. err
-        end
-        reply, err = protocol.check(reply)
         if not reply then
             sock:close()
             return nil, err
@@ -59,7 +72,7 @@ local function call(msg, want_reply, timeout_ms)
 end
 
 function _M.decide(id, features)
-    return call(protocol.decide(id, features), true, conf.timeout_ms)
+    return call(protocol.decide(id, features), true, conf.timeout_ms, 2 * conf.queue_heartbeat_ms + conf.timeout_ms)
 end
 
 function _M.peers()

@@ -27,9 +27,11 @@ from kvgate.limits import RateLimiter
 from kvgate.membership import AddressPolicy, Membership
 from kvgate.metrics import SidecarMetrics
 from kvgate.registry import Registry
+from kvgate.replicas import replicas_loop
 from kvgate.scraper import ScrapeError, scrape, served_models
 from kvgate.service import DecisionService
 from kvgate.sidecar import build_sidecar
+from kvgate.tokens import TokenEstimator
 
 logger = logging.getLogger(__name__)
 MODELS_EVERY = 20  # scrape rounds between /v1/models refreshes
@@ -66,7 +68,12 @@ def redis_client(config: Config) -> aioredis.Redis | None:
 
 
 async def _scrape_round(
-    registry: Registry, session: aiohttp.ClientSession, config: Config, n: int, metrics: SidecarMetrics
+    registry: Registry,
+    session: aiohttp.ClientSession,
+    config: Config,
+    n: int,
+    metrics: SidecarMetrics,
+    tokens: TokenEstimator | None = None,
 ) -> None:
     sc = config.scrape
 
@@ -82,6 +89,8 @@ async def _scrape_round(
         finally:
             metrics.scrape_latency.observe(time.perf_counter() - t0)
         registry.scrape_ok(bid, scraped)
+        if tokens is not None:
+            tokens.counted(bid, scraped.prompt_tokens)
 
     jobs = [
         one(bid, s.spec.url, n % MODELS_EVERY == 0 or not s.models)
@@ -94,12 +103,17 @@ async def _scrape_round(
 
 
 async def scrape_loop(
-    registry: Registry, session: aiohttp.ClientSession, config: Config, metrics: SidecarMetrics
+    registry: Registry,
+    session: aiohttp.ClientSession,
+    config: Config,
+    metrics: SidecarMetrics,
+    service: DecisionService,
 ) -> None:
     n = 0
     while True:
         started = time.monotonic()
-        await _scrape_round(registry, session, config, n, metrics)
+        await _scrape_round(registry, session, config, n, metrics, service.tokens)
+        service.kick()  # new load figures may have made room for waiting requests
         n += 1
         await asyncio.sleep(max(0.0, config.scrape.interval_s - (time.monotonic() - started)))
 
@@ -146,14 +160,20 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=30))
         await membership.seed(config.backends)
         # One round before serving, so the first decisions see health, load and models.
-        await _scrape_round(registry, session, config, 0, metrics)
+        await _scrape_round(registry, session, config, 0, metrics, service.tokens)
         tasks = [
-            asyncio.create_task(scrape_loop(registry, session, config, metrics), name="scrape"),
+            asyncio.create_task(scrape_loop(registry, session, config, metrics, service), name="scrape"),
             asyncio.create_task(
                 membership_loop(membership, config.scrape.membership_refresh_s), name="membership"
             ),
             asyncio.create_task(sessions.refresh_loop(), name="session-ttls"),
         ]
+        if service.queue is not None:
+            tasks.append(asyncio.create_task(service.dispatch_loop(), name="gateway-queue"))
+        if client is not None:
+            tasks.append(
+                asyncio.create_task(replicas_loop(client, config.redis.prefix, registry), name="replicas")
+            )
         if core.service.limiter is not None:
             tasks.append(
                 asyncio.create_task(limits_loop(core.service.limiter, config.limits.sync_s), name="limits")

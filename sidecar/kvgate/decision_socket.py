@@ -27,11 +27,13 @@ from kvgate.protocol import (
     PeersQuery,
     PeersReply,
     ProtocolError,
+    QueuedReply,
     Reply,
     Report,
 )
+from kvgate.queue import QueueFull, QueueTimeout
 from kvgate.registry import Registry
-from kvgate.service import DecisionService, RateLimited, UnknownModel
+from kvgate.service import DecisionService, Queued, RateLimited, Routed, UnknownModel
 
 logger = logging.getLogger(__name__)
 MAX_LINE = 4 * 1024 * 1024  # features of a 128k-token prompt are ~20 KB; this is a safety bound
@@ -59,7 +61,7 @@ class DecisionServer:
             self.server.close()
             await self.server.wait_closed()
 
-    async def handle(self, msg: Message) -> Reply | None:
+    async def handle(self, msg: Message) -> Reply | Queued | None:
         if isinstance(msg, Decide):
             try:
                 routed = await self.service.decide(msg.features, msg.decision_id)
@@ -69,7 +71,15 @@ class DecisionServer:
                 return ErrorReply(
                     ErrorCode.RATE_LIMITED, "Rate limit reached; retry later.", int(exc.retry_after)
                 )
-            return DecisionReply(routed.decision_id, routed.candidates, routed.decision.label)
+            except QueueFull as exc:
+                return ErrorReply(
+                    ErrorCode.QUEUE_FULL,
+                    "Every backend is busy and the gateway queue is full; retry later.",
+                    exc.retry_after,
+                )
+            if isinstance(routed, Queued):
+                return routed
+            return self._decision(routed)
         if isinstance(msg, Report):
             self.service.report(msg.outcomes)
             return None
@@ -80,6 +90,44 @@ class DecisionServer:
             return self.service.keys()
         assert isinstance(msg, ModelsQuery)
         return ModelsReply(tuple(self.registry.model_cards()))
+
+    def _decision(self, routed: Routed) -> DecisionReply:
+        forward = self.service.config.queue.forward_priority and routed.priority != 0
+        return DecisionReply(
+            routed.decision_id,
+            routed.candidates,
+            routed.decision.label if routed.pool is None else f"{routed.decision.label}@{routed.pool}",
+            routed.priority if forward else None,
+            routed.prefill,
+        )
+
+    async def _wait(self, queued: Queued, writer: asyncio.StreamWriter) -> Reply:
+        """A queued request: say so, then a heartbeat line every ``heartbeat_s`` (Nginx falls open
+        when they stop: a dead or stopped sidecar never strands a waiting request), then its
+        decision or its refusal. A connection that breaks takes the request out of the queue."""
+        future = queued.waiting.future
+        assert future is not None
+        beat = protocol.line(protocol.encode_reply(QueuedReply(queued.decision_id)))
+        heartbeat = self.service.config.queue.heartbeat_s
+        try:
+            while True:
+                writer.write(beat)
+                await writer.drain()
+                try:
+                    result = await asyncio.wait_for(asyncio.shield(future), heartbeat)
+                except TimeoutError:
+                    continue
+                assert isinstance(result, Routed)
+                return self._decision(result)
+        except QueueTimeout as exc:
+            return ErrorReply(
+                ErrorCode.QUEUE_TIMEOUT,
+                "Every backend stayed busy for the gateway queue's longest wait; retry later.",
+                exc.retry_after,
+            )
+        except (ConnectionError, asyncio.CancelledError):
+            self.service.abandon(queued.decision_id)
+            raise
 
     def _refused(self, exc: ProtocolError) -> ErrorReply:
         if exc.code is ErrorCode.PROTOCOL_VERSION:
@@ -109,12 +157,14 @@ class DecisionServer:
                     break
                 if not raw:
                     break
-                reply: Reply | None
+                reply: Reply | Queued | None
                 try:
                     reply = await self.handle(protocol.decode_message(raw))
                 except ProtocolError as exc:
                     refusal = self._refused(exc)
                     reply = refusal if exc.answered else None
+                if isinstance(reply, Queued):
+                    reply = await self._wait(reply, writer)
                 if reply is not None:
                     writer.write(protocol.line(protocol.encode_reply(reply)))
                     await writer.drain()

@@ -48,11 +48,16 @@ class Features:
     client_key: str | None = None  # the API key's name, when the gateway checks keys
     client_addr: str | None = None
     max_tokens: int | None = None
+    priority: int | None = None  # what the client asked for (body ``priority`` or X-Priority)
+    # Set by the sidecar from kvgate.tokens (learned per model); 4 is English under BPE tokenizers.
+    bytes_per_token: float = 4.0
 
     @property
     def est_tokens(self) -> int:
-        """Prompt tokens, estimated at 4 bytes per token (English text under BPE tokenizers)."""
-        return self.prompt_bytes // 4
+        """Prompt tokens, estimated from the prompt's bytes."""
+        if self.bytes_per_token == 4.0:
+            return self.prompt_bytes // 4  # the exact figure earlier releases used
+        return int(self.prompt_bytes / self.bytes_per_token)
 
 
 def utf8(text: str) -> bytes:

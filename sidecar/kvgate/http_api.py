@@ -6,6 +6,7 @@ disabled (403), never open.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import os
 import time
@@ -128,10 +129,12 @@ class HttpApi:
         headers = data.get("headers") if isinstance(data.get("headers"), dict) else {}
         f = feats.extract(data["body"], headers, self.config.routing.session_header)
         try:
-            routed = await self.service.decide(f, dry_run=True)
+            routed = await self.service.explain(f)
         except UnknownModel as exc:
             return _error(404, f"The model `{exc}` does not exist.", "NotFoundError")
         d = routed.decision
+        pools = self.config.pools
+        rule = pools.pick(f.model, int(f.prompt_bytes / self.service.tokens.ratio(f.model)))
         return web.json_response(
             {
                 "decision_id": routed.decision_id,
@@ -142,6 +145,11 @@ class HttpApi:
                 "rebind_cause": None if d.rebind_cause is None else d.rebind_cause.value,
                 "route": d.label,
                 "key_source": f.key_source,
+                "estimated_prompt_tokens": int(f.prompt_bytes / self.service.tokens.ratio(f.model)),
+                "bytes_per_token": self.service.tokens.ratio(f.model),
+                "pool_rule": None if rule is None else dataclasses.asdict(rule),
+                "pool": routed.pool,
+                "priority": routed.priority,
             }
         )
 

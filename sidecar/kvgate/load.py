@@ -18,6 +18,7 @@ class Scraped:
     prefix_queries: float | None
     prefix_hits: float | None
     at: float  # monotonic time of the scrape
+    prompt_tokens: float | None = None  # vllm:prompt_tokens_total: calibrates bytes per token
 
 
 @dataclass(frozen=True, slots=True)

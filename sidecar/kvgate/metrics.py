@@ -93,3 +93,22 @@ class SidecarMetrics:
             "Decisions Nginx did not use (late answer, fail-open, client gone before dispatch).",
             registry=r,
         )
+        self.queue_depth = Gauge("kvgate_queue_depth", "Requests waiting in the gateway queue.", registry=r)
+        self.queue_wait = Histogram(
+            "kvgate_queue_wait_seconds",
+            "Time a request waited in the gateway queue before it was dispatched.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_rejected = Counter(
+            "kvgate_queue_rejected",
+            "Requests that left the gateway queue without a backend: full, timeout, abandoned.",
+            ["reason"],
+            registry=r,
+        )
+        self.pool_spills = Counter(
+            "kvgate_pool_spills",
+            "Requests decided in another pool than their rule's, because it had no room.",
+            ["pool", "to"],
+            registry=r,
+        )

@@ -53,6 +53,8 @@ class NginxSettings:
     auth: bool = False  # check API keys (the config has some)
     catch_all: bool = True  # a `location /v1/` for the other /v1/ routes
     limits: bool = False  # rate limits apply
+    queue: bool = False  # the gateway queue is on: a waiting request's client may go away
+    queue_heartbeat_ms: int = 500
 
     @classmethod
     def from_config(cls, config: Config, **overrides: Any) -> NginxSettings:
@@ -71,6 +73,8 @@ class NginxSettings:
             "worker_user": g.worker_user,
             "auth": config.auth.enabled,
             "limits": config.limited,
+            "queue": config.queue.enabled,
+            "queue_heartbeat_ms": round(config.queue.heartbeat_s * 1000),
         }
         return cls(**{**values, **overrides})
 
@@ -138,6 +142,8 @@ def render(
         "user_directive": user_directive(settings.worker_user),
         "auth": "true" if settings.auth else "false",
         "limits": "true" if settings.limits else "false",
+        "queue": "true" if settings.queue else "false",
+        "queue_heartbeat_ms": str(settings.queue_heartbeat_ms),
         # The client's key is the gateway's business: it does not travel on to the backends.
         "upstream_authorization": 'proxy_set_header Authorization "";' if settings.auth else "",
         "load_modules": "",

@@ -32,7 +32,6 @@ from kvgate.load import LoadView
 from kvgate.ring import Ring
 
 CHOICES = 4  # ring successors a new key may choose between (power of d choices on the ring)
-TOKENS_PER_CHUNK = CHUNK_BYTES // 4  # prompt tokens per hashed chunk, at ~4 bytes per token
 
 
 class Reason(str, Enum):
@@ -80,6 +79,7 @@ class Snapshot:
     # rounds, while these move with every decision and report.
     inflight: Mapping[str, int] = field(default_factory=dict)
     inflight_tokens: Mapping[str, int] = field(default_factory=dict)
+    replicas: int = 1  # gateway replicas sharing these backends (the gateway queue's dispatch share)
 
     total_weight: float = field(init=False, default=1.0)
 
@@ -100,6 +100,15 @@ class Snapshot:
         if self.inflight_tokens.get(node, 0) >= limits.saturation_prefill_tokens:
             return True
         return self.nodes[node].load.saturated(limits.saturation_waiting, limits.saturation_kv)
+
+    def has_room(self, node: str) -> bool:
+        """Whether this replica may send ``node`` one more request now: not saturated, with the
+        prefill budget split between the replicas, so that replicas dispatching from their queues
+        at once cannot together pour more than one budget into a node that freed up."""
+        limits = self.limits
+        if self.inflight_tokens.get(node, 0) >= limits.saturation_prefill_tokens / max(1, self.replicas):
+            return False
+        return not self.nodes[node].load.saturated(limits.saturation_waiting, limits.saturation_kv)
 
     def bound_admits(self) -> Callable[[str], bool]:
         """Bounded-load test: a node may take one more request while under c x its fair share."""
@@ -142,7 +151,7 @@ class Decision:
 def uncached_tokens(features: Features, depth_chunks: int) -> int:
     """Prompt tokens a backend holding ``depth_chunks`` leading chunks of this prompt must prefill."""
     est = features.est_tokens
-    return est - min(est, depth_chunks * TOKENS_PER_CHUNK)
+    return est - min(est, int(depth_chunks * CHUNK_BYTES / features.bytes_per_token))
 
 
 def _ring_key(req: Request) -> str:

@@ -8,20 +8,25 @@ both sides log it loudly, so a Lua and a sidecar from different releases never m
 Lua -> sidecar (decide, peers and models are answered with one line; report is not, so the log phase
 never waits)::
 
-    {"pv":2,"op":"decide","i":id,"f":{"m":model,"k":key,"ks":key source,"h":[chunk hash,...],"b":bytes,
-                                      "ck":API key name,"ca":client address,"mt":max tokens}}
-    {"pv":2,"op":"report","o":[outcome,...]}
-    {"pv":2,"op":"peers"}
-    {"pv":2,"op":"models"}
-    {"pv":2,"op":"keys"}
+    {"pv":3,"op":"decide","i":id,"f":{"m":model,"k":key,"ks":key source,"h":[chunk hash,...],"b":bytes,
+                                      "ck":API key name,"ca":client address,"mt":max tokens,
+                                      "pr":priority the client asked for}}
+    {"pv":3,"op":"report","o":[outcome,...]}
+    {"pv":3,"op":"peers"}
+    {"pv":3,"op":"models"}
+    {"pv":3,"op":"keys"}
 
 sidecar -> Lua::
 
-    {"pv":2,"i":id,"c":[[backend id,"host:port"],...],"r":route label}   a decision
-    {"pv":2,"e":error code,"msg":text,"ra":retry after s}                an error
-    {"pv":2,"v":peers version,"peers":[{"id":backend id,"addr":"host:port"},...]}
-    {"pv":2,"data":[model card,...]}
-    {"pv":2,"v":keys version,"keys":{sha256 hex:key name,...}}
+    {"pv":3,"i":id,"c":[[backend id,"host:port"],...],"r":route label,
+     "pr":priority to write into the body (forwarded to vLLM),
+     "pc":[[backend id,"host:port"],...] prefill candidates (disaggregated: c then decodes)}   a decision
+    {"pv":3,"i":id,"q":1}   the request waits in the gateway queue: the same connection carries this
+                            line again every heartbeat, then the decision or an error
+    {"pv":3,"e":error code,"msg":text,"ra":retry after s}                an error
+    {"pv":3,"v":peers version,"peers":[{"id":backend id,"addr":"host:port"},...]}
+    {"pv":3,"data":[model card,...]}
+    {"pv":3,"v":keys version,"keys":{sha256 hex:key name,...}}
 
 Nginx names each decision (``i``, unique per gateway) before asking, so it can end a decision it will
 not use (a late answer, fail-open, a client gone before dispatch) without having heard the answer.
@@ -49,7 +54,7 @@ from typing import Any, NamedTuple
 
 from kvgate.features import Features
 
-VERSION = 2
+VERSION = 3
 MAX_ID = 64  # decision ids are Nginx's: worker, start time and a counter
 
 
@@ -58,6 +63,8 @@ class ErrorCode(str, Enum):
     UNKNOWN_MODEL = "unknown_model"
     PROTOCOL_VERSION = "protocol_version"
     RATE_LIMITED = "rate_limited"
+    QUEUE_FULL = "queue_full"
+    QUEUE_TIMEOUT = "queue_timeout"
 
 
 class ProtocolError(ValueError):
@@ -177,6 +184,15 @@ class DecisionReply:
     decision_id: str
     candidates: tuple[Candidate, ...]  # primary first; empty when no backend is eligible
     route: str  # the display label Nginx puts in X-Kvgate-Route
+    priority: int | None = None  # to write into the request body, for vLLM's priority scheduling
+    prefill: tuple[Candidate, ...] = ()  # disaggregated: the prefill leg's candidates
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedReply:
+    """The request waits in the gateway queue; its decision follows on the same connection."""
+
+    decision_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +221,7 @@ class KeysReply:
     keys: Mapping[str, str]  # sha256 hex -> key name
 
 
-Reply = DecisionReply | ErrorReply | PeersReply | ModelsReply | KeysReply
+Reply = DecisionReply | QueuedReply | ErrorReply | PeersReply | ModelsReply | KeysReply
 
 
 # -- decoding ------------------------------------------------------------------------------------
@@ -253,6 +269,7 @@ def decode_features(d: Any) -> Features:
     if not isinstance(hashes, list | tuple) or not all(isinstance(h, str) for h in hashes):
         raise ValueError("h must be a list of hash strings")
     mt = d.get("mt")
+    pr = d.get("pr")
     return Features(
         model=_text(d.get("m"), "m"),
         key=_text(d.get("k"), "k"),
@@ -262,6 +279,7 @@ def decode_features(d: Any) -> Features:
         client_key=_text(d.get("ck"), "ck"),
         client_addr=_text(d.get("ca"), "ca"),
         max_tokens=None if mt is None else max(0, _int(mt, "mt")),
+        priority=None if pr is None else max(-(2**31), min(2**31 - 1, _int(pr, "pr"))),
     )
 
 
@@ -346,6 +364,8 @@ def encode_features(f: Features) -> dict[str, Any]:
         out["ca"] = f.client_addr
     if f.max_tokens is not None:
         out["mt"] = f.max_tokens
+    if f.priority is not None:
+        out["pr"] = f.priority
     return out
 
 
@@ -394,17 +414,24 @@ def encode_message(msg: Message) -> dict[str, Any]:
 
 def encode_reply(reply: Reply) -> dict[str, Any]:
     if isinstance(reply, DecisionReply):
-        return {
+        out: dict[str, Any] = {
             "pv": VERSION,
             "i": reply.decision_id,
             "c": [[c.id, c.address] for c in reply.candidates],
             "r": reply.route,
         }
-    if isinstance(reply, ErrorReply):
-        out = {"pv": VERSION, "e": reply.code.value, "msg": reply.message}
-        if reply.retry_after is not None:
-            out["ra"] = reply.retry_after
+        if reply.priority is not None:
+            out["pr"] = reply.priority
+        if reply.prefill:
+            out["pc"] = [[c.id, c.address] for c in reply.prefill]
         return out
+    if isinstance(reply, QueuedReply):
+        return {"pv": VERSION, "i": reply.decision_id, "q": 1}
+    if isinstance(reply, ErrorReply):
+        err: dict[str, Any] = {"pv": VERSION, "e": reply.code.value, "msg": reply.message}
+        if reply.retry_after is not None:
+            err["ra"] = reply.retry_after
+        return err
     if isinstance(reply, KeysReply):
         return {"pv": VERSION, "v": reply.version, "keys": dict(reply.keys)}
     if isinstance(reply, PeersReply):
@@ -424,9 +451,18 @@ def decode_reply(d: Mapping[str, Any]) -> Reply:
         return ErrorReply(ErrorCode(d["e"]), str(d.get("msg", "")), d.get("ra"))
     if "keys" in d:
         return KeysReply(int(d["v"]), dict(d["keys"]))
+    if "q" in d:
+        return QueuedReply(str(d["i"]))
     if "c" in d:
         pairs: Sequence[Sequence[str]] = d["c"]
-        return DecisionReply(str(d["i"]), tuple(Candidate(a, b) for a, b in pairs), str(d["r"]))
+        prefill: Sequence[Sequence[str]] = d.get("pc", ())
+        return DecisionReply(
+            str(d["i"]),
+            tuple(Candidate(a, b) for a, b in pairs),
+            str(d["r"]),
+            d.get("pr"),
+            tuple(Candidate(a, b) for a, b in prefill),
+        )
     if "peers" in d:
         return PeersReply(int(d["v"]), tuple(Candidate(p["id"], p["addr"]) for p in d["peers"]))
     return ModelsReply(tuple(d["data"]))

@@ -84,7 +84,9 @@ class Registry:
     inflight: dict[str, int] = field(default_factory=dict)  # backend -> requests routed, not reported
     inflight_tokens: dict[str, int] = field(default_factory=dict)  # backend -> their uncached tokens
     _generation: int = 0  # bumped when cached snapshots must be rebuilt
-    _snapshots: dict[str | None, tuple[int, Snapshot]] = field(default_factory=dict)
+    _snapshots: dict[tuple[str | None, str | None], tuple[int, Snapshot]] = field(default_factory=dict)
+    replicas: int = 1  # gateway replicas sharing these backends (from Redis; 1 without it)
+    pool_label: str = "pool"  # the backend label naming its pool
     _served: tuple[int, frozenset[str] | None] | None = None
 
     # -- membership ---------------------------------------------------------------------------------
@@ -160,17 +162,24 @@ class Registry:
         """Scrapes, health or membership moved: rebuild snapshots on next use."""
         self._generation += 1
 
-    def snapshot(self, model: str | None, now: float | None = None) -> Snapshot:
-        """The eligible backends for ``model``; cached until the next scrape round or change, with
+    def snapshot(
+        self, model: str | None, now: float | None = None, pool: str | None = None, label: str | None = None
+    ) -> Snapshot:
+        """The eligible backends for ``model`` (in ``pool`` when given: backends whose ``label``,
+        by default the pools' label, names it); cached until the next scrape round or change, with
         the live in-flight counts read through, so a decision costs no per-backend work."""
-        cached = self._snapshots.get(model)
+        label = self.pool_label if label is None else label
+        cache_key = (model, None if pool is None else f"{label}={pool}")
+        cached = self._snapshots.get(cache_key)
         if cached is not None and cached[0] == self._generation:
             return cached[1]
         now = time.monotonic() if now is None else now
         chosen = [
             s
             for s in self.backends.values()
-            if s.eligible and (model is None or not s.models or model in s.models)
+            if s.eligible
+            and (model is None or not s.models or model in s.models)
+            and (pool is None or s.spec.labels.get(label) == pool)
         ]
         known = [
             s.scraped.running + s.scraped.waiting
@@ -179,9 +188,16 @@ class Registry:
         ]
         unknown = max(known) if known else 0.0  # pessimistic stand-in for stale stats
         nodes = {s.spec.id: NodeView(s.spec.id, s.spec.weight, self.load_of(s, now, unknown)) for s in chosen}
-        snap = Snapshot(nodes, self.ring, self.routing.limits, self.inflight, self.inflight_tokens)
-        self._snapshots[model] = (self._generation, snap)
+        snap = Snapshot(
+            nodes, self.ring, self.routing.limits, self.inflight, self.inflight_tokens, self.replicas
+        )
+        self._snapshots[cache_key] = (self._generation, snap)
         return snap
+
+    def set_replicas(self, n: int) -> None:
+        if n != self.replicas:
+            self.replicas = max(1, n)
+            self.changed()
 
     def serves(self, model: str) -> bool | None:
         """True/False once models are known; None while no backend has answered /v1/models yet."""

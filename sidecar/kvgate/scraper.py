@@ -26,6 +26,7 @@ _NAMES = {
     "kv": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     "queries": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
     "hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
+    "prompt_tokens": ("vllm:prompt_tokens",),
 }
 
 
@@ -105,6 +106,7 @@ def parse_metrics(text: str, at: float) -> Scraped:
         prefix_queries=first("queries"),
         prefix_hits=first("hits"),
         at=at,
+        prompt_tokens=first("prompt_tokens"),
     )
 
 

@@ -7,6 +7,8 @@ and the pure policy. Everything else (scraping, membership, ring builds) happens
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -25,8 +27,10 @@ from kvgate.metrics import SidecarMetrics
 from kvgate.policies import Decision, Request, SessionAction, Snapshot, decide, uncached_tokens
 from kvgate.prefix_index import PrefixIndex
 from kvgate.protocol import Candidate, KeysReply, Outcome, OutcomeKind
+from kvgate.queue import GatewayQueue, QueueFull, QueueTimeout, Waiting
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
+from kvgate.tokens import TokenEstimator
 
 logger = logging.getLogger(__name__)
 RECENT_DECISIONS = 256  # kept for GET /debug/decisions
@@ -53,6 +57,27 @@ class Routed:
     policy: PolicyName
     decision: Decision
     candidates: tuple[Candidate, ...]
+    pool: str | None = None  # the pool it was decided in, when pools are configured
+    priority: int = 0  # the request's effective priority (the gateway queue's class)
+    prefill: tuple[Candidate, ...] = ()  # disaggregated: where the prefill leg goes
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """The request waits in the gateway queue; ``waiting.future`` (live) gets its Routed."""
+
+    decision_id: str
+    waiting: Waiting
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a decision would be now, before anything is written."""
+
+    snap: Snapshot
+    req: Request
+    decision: Decision
+    pool: str | None
 
 
 class DecisionService:
@@ -64,6 +89,7 @@ class DecisionService:
         index: PrefixIndex,
         metrics: SidecarMetrics,
         limiter: RateLimiter | None = None,
+        tokens: TokenEstimator | None = None,
     ) -> None:
         self.config = config
         self.limiter = limiter
@@ -73,6 +99,10 @@ class DecisionService:
         self.sessions = sessions
         self.index = index
         self.metrics = metrics
+        self.tokens = tokens if tokens is not None else TokenEstimator(config.tokens)
+        self.queue = GatewayQueue(config.queue) if config.queue.enabled else None
+        self._key_priority = {k.name: k.priority for k in config.auth.keys if k.priority is not None}
+        self._wake: asyncio.Event | None = None  # live: sets off the dispatcher (dispatch_loop)
         self._seq = itertools.count(1)
         # For GET /debug/decisions; kept as they are and formatted only when asked for.
         self._recent: deque[tuple[Routed, Features]] = deque(maxlen=RECENT_DECISIONS)
@@ -81,8 +111,20 @@ class DecisionService:
         r = self.config.routing
         return r.per_model.get(model, r.policy) if model else r.policy
 
-    async def decide(self, f: Features, decision_id: str | None = None, dry_run: bool = False) -> Routed:
-        """Route one request. ``decision_id`` is Nginx's name for it (its outcome reports use it);
+    def priority_of(self, f: Features) -> int:
+        """The request's class in the gateway queue: what the client asked for when clients may
+        choose, else its API key's, else 0 (vLLM's sense: lower goes first)."""
+        if f.priority is not None and self.config.queue.client_priority:
+            return f.priority
+        if f.client_key is not None:
+            return self._key_priority.get(f.client_key, 0)
+        return 0
+
+    async def decide(
+        self, f: Features, decision_id: str | None = None, dry_run: bool = False
+    ) -> Routed | Queued:
+        """Route one request, or queue it while every backend it could go to is saturated (with the
+        gateway queue on). ``decision_id`` is Nginx's name for it (its outcome reports use it);
         callers that have none get one from the sidecar. A ``dry_run`` (``POST /v1/decide``) says what
         would be decided and changes nothing: no binding written, nothing counted in flight."""
         t0 = time.perf_counter()
@@ -91,10 +133,57 @@ class DecisionService:
             raise UnknownModel(f.model)
         seq = next(self._seq)
         did = decision_id if decision_id is not None else f"s{seq}"
+        f = self._calibrated(f)
         if self.limiter is not None and not dry_run:
             self._admit(did, f)
         policy = self.policy_for(f.model)
+        priority = self.priority_of(f)
+        plan = await self._plan(f, policy, seq, dry_run)
+        if not plan.decision.candidates:
+            self.metrics.no_backend.inc()
+            return Routed(did, policy, plan.decision, (), plan.pool, priority)
+        if dry_run:
+            return self._routed(did, policy, plan, priority)
+        if self.queue is not None and self._must_wait(plan):
+            live = asyncio.get_running_loop().create_future() if self._wake is not None else None
+            waiting = Waiting(did, f, policy, priority, self.queue.clock(), f.est_tokens, live)
+            try:
+                self.queue.add(waiting)
+            except QueueFull:
+                self.metrics.queue_rejected.labels("full").inc()
+                self._unadmit(did)
+                raise
+            self.metrics.queue_depth.set(len(self.queue))
+            return Queued(did, waiting)
+        return await self._commit(did, policy, f, plan, priority, t0)
+
+    async def route(self, f: Features, decision_id: str | None = None) -> Routed:
+        """``decide`` for callers that have no queue to wait in (tools, tests, the gateway queue off):
+        a request that would wait is a bug there."""
+        routed = await self.decide(f, decision_id)
+        if not isinstance(routed, Routed):
+            raise RuntimeError("route() got a queued request; use decide() with the gateway queue on")
+        return routed
+
+    async def explain(self, f: Features) -> Routed:
+        """A dry run: what would be decided for ``f`` now (never queued, nothing written)."""
+        routed = await self.decide(f, dry_run=True)
+        assert isinstance(routed, Routed)
+        return routed
+
+    def _calibrated(self, f: Features) -> Features:
+        ratio = self.tokens.ratio(f.model)
+        return f if ratio == f.bytes_per_token else dataclasses.replace(f, bytes_per_token=ratio)
+
+    async def _plan(self, f: Features, policy: PolicyName, seq: int, dry_run: bool) -> _Plan:
+        """The decision the policy makes now, in the request's pool (or the pool it spills to)."""
+        pool = None
         snap = self.registry.snapshot(f.model)
+        pools = self.config.pools
+        if pools.enabled:
+            rule = pools.pick(f.model, f.est_tokens)
+            if rule is not None:
+                pool, snap = self._pool_snapshot(f.model, rule.pool)
         limit = self.config.routing.max_candidates
         depth: dict[str, int] = {}
         shared = 0
@@ -107,30 +196,136 @@ class DecisionService:
         if keyed and f.key:
             bound = await self.sessions.peek(f.key) if dry_run else self.sessions.cached(f.key)
         req = Request(f, seq, bound, depth, shared)
-        decision = decide(policy, req, snap, limit)
-        if not decision.candidates:
-            self.metrics.no_backend.inc()
-            return Routed(did, policy, decision, ())
-        if dry_run:
-            return Routed(
-                did,
-                policy,
-                decision,
-                tuple(Candidate(b, self.registry.address(b)) for b in decision.candidates),
-            )
-        if keyed and f.key:
+        return _Plan(snap, req, decide(policy, req, snap, limit), pool)
+
+    def _pool_snapshot(self, model: str | None, pool: str) -> tuple[str, Snapshot]:
+        """The pool's backends, or the first pool in its spill order that has room (the pool itself
+        when none has: the request then waits there, or queues at the gateway)."""
+        first = snap = self.registry.snapshot(model, pool=pool)
+        if any(snap.has_room(n) for n in snap.nodes):
+            return pool, snap
+        for other in self.config.pools.spill.get(pool, ()):
+            snap = self.registry.snapshot(model, pool=other)
+            if any(snap.has_room(n) for n in snap.nodes):
+                self.metrics.pool_spills.labels(pool, other).inc()
+                return other, snap
+        return pool, first
+
+    def _must_wait(self, plan: _Plan) -> bool:
+        """Whether the request waits at the gateway: its backend has no room now, and neither has
+        any other it could go to (a /v1/responses turn can only go to its own)."""
+        snap = plan.snap
+        if snap.has_room(plan.decision.candidates[0]):
+            return False
+        strict = plan.req.features.key_source == "response"
+        return strict or not any(snap.has_room(n) for n in snap.nodes)
+
+    def _routed(self, did: str, policy: PolicyName, plan: _Plan, priority: int) -> Routed:
+        return Routed(
+            did,
+            policy,
+            plan.decision,
+            tuple(Candidate(b, self.registry.address(b)) for b in plan.decision.candidates),
+            plan.pool,
+            priority,
+        )
+
+    async def _commit(
+        self, did: str, policy: PolicyName, f: Features, plan: _Plan, priority: int, t0: float
+    ) -> Routed:
+        """Carry the decision out: the session binding, the prefix index, the in-flight count."""
+        decision, req, snap = plan.decision, plan.req, plan.snap
+        if policy is PolicyName.KVGATE and f.key and snap.nodes:
             decision = await self._settle_session(f.key, decision, req, snap, policy)
+            plan = dataclasses.replace(plan, decision=decision)
         primary = decision.candidates[0]
-        if f.hashes and uses_index:
+        if f.hashes and policy in (PolicyName.KVGATE, PolicyName.PREFIX):
             self.index.record(f.hashes, primary)
-        self.registry.start(did, primary, uncached_tokens(f, depth.get(primary, 0)), time.monotonic())
+        self.registry.start(
+            did, primary, uncached_tokens(f, req.prefix_depth.get(primary, 0)), time.monotonic()
+        )
+        self.tokens.routed(primary, f.model, f.prompt_bytes)
         self.metrics.decisions.labels(policy.value, decision.label).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
-        routed = Routed(
-            did, policy, decision, tuple(Candidate(b, self.registry.address(b)) for b in decision.candidates)
-        )
+        routed = self._routed(did, policy, plan, priority)
         self._recent.append((routed, f))
         return routed
+
+    # -- the gateway queue ---------------------------------------------------------------------------
+    async def dispatch(self) -> list[tuple[Waiting, Routed | QueueTimeout]]:
+        """Send the waiting requests whose backend has room now, in the queue's order, and refuse
+        those that waited too long. Each leaves with its Routed or its QueueTimeout (set on its future
+        too, live)."""
+        out: list[tuple[Waiting, Routed | QueueTimeout]] = []
+        queue = self.queue
+        if queue is None or not len(queue):
+            return out
+        for w in queue.expired():
+            refusal = QueueTimeout(queue.retry_after(), queue.clock() - w.arrived)
+            self.metrics.queue_rejected.labels("timeout").inc()
+            self._unadmit(w.decision_id)
+            out.append((w, refusal))
+        blocked: set[str | None] = set()  # models with no room left in this round
+        for w in queue.in_order():
+            f = w.features
+            strict = f.key_source == "response"
+            if f.model in blocked and not strict:
+                continue
+            t0 = time.perf_counter()
+            plan = await self._plan(f, w.policy, next(self._seq), False)
+            if w.decision_id not in queue:
+                continue  # dropped (the client went away) while the plan awaited
+            if plan.decision.candidates and self._must_wait(plan):
+                if not strict:
+                    blocked.add(f.model)
+                continue
+            if plan.decision.candidates:
+                routed = await self._commit(w.decision_id, w.policy, f, plan, w.priority, t0)
+            else:
+                self.metrics.no_backend.inc()
+                routed = Routed(w.decision_id, w.policy, plan.decision, (), plan.pool, w.priority)
+            self.metrics.queue_wait.observe(queue.dispatched(w))
+            out.append((w, routed))
+        self.metrics.queue_depth.set(len(queue))
+        for w, result in out:
+            if w.future is not None and not w.future.done():
+                if isinstance(result, QueueTimeout):
+                    w.future.set_exception(result)
+                else:
+                    w.future.set_result(result)
+        return out
+
+    def kick(self) -> None:
+        """Something freed up (a first byte, an end, a scrape): the dispatcher looks at the queue."""
+        if self._wake is not None and self.queue is not None and len(self.queue):
+            self._wake.set()
+
+    async def dispatch_loop(self, tick_s: float = 0.05) -> None:
+        """Live: dispatch whenever something freed up, and at least every ``tick_s`` (expiry, and
+        load that a scrape changed)."""
+        self._wake = asyncio.Event()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), tick_s)
+            self._wake.clear()
+            try:
+                await self.dispatch()
+            except Exception:  # the loop must outlive one bad round; the requests fall back on expiry
+                logger.exception("gateway queue dispatch failed")
+
+    def abandon(self, decision_id: str) -> None:
+        """A waiting request's client or connection went away: it leaves the queue unrouted."""
+        if self.queue is not None and self.queue.remove(decision_id) is not None:
+            self._unadmit(decision_id)
+            self.metrics.queue_rejected.labels("abandoned").inc()
+            self.metrics.queue_depth.set(len(self.queue))
+
+    def _unadmit(self, did: str) -> None:
+        """A request that never ran gives its admitted tokens back."""
+        admitted = self._admitted.pop(did, None)
+        if admitted is not None and self.limiter is not None:
+            identities, counted = admitted
+            self.limiter.correct(identities, -counted, time.time())
 
     def recent(self) -> list[dict[str, Any]]:
         """The last decisions, oldest first, as ``GET /debug/decisions`` shows them."""
@@ -224,6 +419,7 @@ class DecisionService:
                 continue
             if o.kind is OutcomeKind.DROP:
                 assert o.decision_id is not None
+                self.abandon(o.decision_id)
                 self.registry.drop(o.decision_id, now)
                 self._admitted.pop(o.decision_id, None)
                 self.metrics.dropped.inc()
@@ -242,3 +438,4 @@ class DecisionService:
                 self.metrics.ttft.labels(o.backend).observe(o.ttft)
             elif o.duration is not None and o.kind is OutcomeKind.END:
                 self.metrics.e2e.labels(o.backend).observe(o.duration)
+        self.kick()

@@ -48,7 +48,8 @@ local function run_protocol()
                                                    prompt_bytes = f.prompt_bytes,
                                                    client_key = nn(f.client_key),
                                                    client_addr = nn(f.client_addr),
-                                                   max_tokens = nn(f.max_tokens) })
+                                                   max_tokens = nn(f.max_tokens),
+                                                   priority = nn(f.priority) })
     end
     for i, case in ipairs(g.report) do
         local items = {}
@@ -81,14 +82,19 @@ local function run_protocol()
                         retry_after = retry_after }
         elseif case.wire.keys then
             meaning = { kind = "keys", version = reply.v, keys = reply.keys }
+        elseif protocol.queued(reply) then
+            meaning = { kind = "queued", decision_id = reply.i }
         elseif case.wire.c then
             local d = protocol.decision(reply)
-            local pairs_ = {}
+            local pairs_, prefill = {}, {}
             for j = 1, #d.ids do
                 pairs_[j] = { d.ids[j], d.addrs[j] }
             end
+            for j = 1, #(d.prefill_ids or {}) do
+                prefill[j] = { d.prefill_ids[j], d.prefill_addrs[j] }
+            end
             meaning = { kind = "decision", decision_id = d.id, candidates = pairs_, route = d.route,
-                        n = #d.ids }
+                        n = #d.ids, priority = d.priority or null, prefill = prefill, np = #prefill }
         elseif case.wire.peers then
             local version, peers = protocol.peer_list(reply)
             local list = {}

@@ -26,6 +26,7 @@ from kvgate.protocol import (
     Outcome,
     PeersQuery,
     PeersReply,
+    QueuedReply,
     Report,
 )
 
@@ -41,6 +42,7 @@ FEATURES = [
     Features(None, None, "none", (), 0),
     Features("m", "u:héllo ✓", "user", ("aaaaaaaaaaaaaaaa",), 700),
     Features("m", "h:s", "header", (), 12, client_key="team-a", client_addr="10.0.0.7", max_tokens=64),
+    Features("m", "p:0011223344556677", "prefix", (), 99, priority=-5),
 ]
 OUTCOMES = [
     (Outcome.first("1a2b.5f3c.7", "sim-1"),),
@@ -61,6 +63,17 @@ REPLIES = [
     ),
     DecisionReply("1a2b.5f3c.43", (Candidate("vllm-a", "10.0.0.5:8000"),), "load/rebind-saturated"),
     DecisionReply("1a2b.5f3c.44", (), "no_backend"),
+    DecisionReply("1a2b.5f3c.45", (Candidate("d-0", "10.0.1.1:8000"),), "ring@long", 3),
+    DecisionReply(
+        "1a2b.5f3c.46",
+        (Candidate("d-0", "10.0.1.1:8000"), Candidate("d-1", "10.0.1.2:8000")),
+        "load",
+        None,
+        (Candidate("p-0", "10.0.2.1:8000"),),
+    ),
+    QueuedReply("1a2b.5f3c.47"),
+    ErrorReply(ErrorCode.QUEUE_FULL, "the gateway queue is full", 3),
+    ErrorReply(ErrorCode.QUEUE_TIMEOUT, "waited too long", 1),
     ErrorReply(ErrorCode.UNKNOWN_MODEL, "The model `x` does not exist."),
     ErrorReply(ErrorCode.PROTOCOL_VERSION, "protocol version mismatch"),
     ErrorReply(ErrorCode.RATE_LIMITED, "Rate limit reached; retry later.", 42),
@@ -80,6 +93,7 @@ def features(f: Features) -> dict[str, object]:
         "client_key": f.client_key,
         "client_addr": f.client_addr,
         "max_tokens": f.max_tokens,
+        "priority": f.priority,
     }
 
 
@@ -106,7 +120,11 @@ def reply(r: object) -> dict[str, object]:
             "decision_id": r.decision_id,
             "candidates": [list(c) for c in r.candidates],
             "route": r.route,
+            "priority": r.priority,
+            "prefill": [list(c) for c in r.prefill],
         }
+    if isinstance(r, QueuedReply):
+        return {"kind": "queued", "decision_id": r.decision_id}
     if isinstance(r, ErrorReply):
         return {"kind": "error", "code": r.code.value, "message": r.message, "retry_after": r.retry_after}
     if isinstance(r, KeysReply):

@@ -16,6 +16,14 @@ import yaml
 
 from kvgate.config.access import ApiKey, AuthConfig, LimitsConfig, Rate, hash_key
 from kvgate.config.backends import BackendSpec, MembershipConfig
+from kvgate.config.compute import (
+    DisaggConfig,
+    DispatchOrder,
+    PoolRule,
+    PoolsConfig,
+    QueueConfig,
+    TokensConfig,
+)
 from kvgate.config.gateway import GatewayConfig
 from kvgate.config.infra import DEFAULT_REDIS_URL, DEFAULT_SOCKET, ListenConfig, RedisConfig, ScrapeConfig
 from kvgate.config.parse import ConfigError, check_keys, section
@@ -29,6 +37,8 @@ __all__ = [
     "BackendSpec",
     "Config",
     "ConfigError",
+    "DisaggConfig",
+    "DispatchOrder",
     "GatewayConfig",
     "LimitsConfig",
     "ListenConfig",
@@ -36,10 +46,14 @@ __all__ = [
     "MembershipConfig",
     "OutlierConfig",
     "PolicyName",
+    "PoolRule",
+    "PoolsConfig",
+    "QueueConfig",
     "Rate",
     "RedisConfig",
     "RoutingConfig",
     "ScrapeConfig",
+    "TokensConfig",
     "hash_key",
 ]
 
@@ -55,6 +69,10 @@ class Config:
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    pools: PoolsConfig = field(default_factory=PoolsConfig)
+    disaggregation: DisaggConfig = field(default_factory=DisaggConfig)
+    tokens: TokensConfig = field(default_factory=TokensConfig)
     backends: tuple[BackendSpec, ...] = ()
 
     @classmethod
@@ -75,6 +93,10 @@ class Config:
                 "membership",
                 "auth",
                 "limits",
+                "queue",
+                "pools",
+                "disaggregation",
+                "tokens",
                 "backends",
             },
         )
@@ -95,6 +117,10 @@ class Config:
             membership=MembershipConfig.from_mapping(section(data, "membership")),
             auth=AuthConfig.from_mapping(section(data, "auth")),
             limits=LimitsConfig.from_mapping(section(data, "limits")),
+            queue=QueueConfig.from_mapping(section(data, "queue")),
+            pools=PoolsConfig.from_mapping(section(data, "pools")),
+            disaggregation=DisaggConfig.from_mapping(section(data, "disaggregation")),
+            tokens=TokensConfig.from_mapping(section(data, "tokens")),
             backends=backends,
         )
 

@@ -50,6 +50,7 @@ class ApiKey:
     name: str
     sha256: str = field(repr=False)
     rate: Rate | None = None  # None: the limits section's per_key rate
+    priority: int | None = None  # the gateway queue's class for this key (vLLM's sense: lower first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,7 @@ class AuthConfig:
             where = f"{w}.keys[{i}]"
             if not isinstance(e, Mapping):
                 raise ConfigError(f"{where}: expected {{name: team-a, sha256: <kvgate hash-key output>}}")
-            check_keys(e, where, {"name", "sha256", "rate"})
+            check_keys(e, where, {"name", "sha256", "rate", "priority"})
             digest = str(e.get("sha256", "")).lower()
             if not SHA256_HEX.fullmatch(digest):
                 raise ConfigError(f"{where}.sha256: expected 64 hex digits (kvgate hash-key prints them)")
@@ -91,7 +92,8 @@ class AuthConfig:
             if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
                 raise ConfigError(f"{where}.name: expected 1-64 letters, digits, '.', '_' or '-'")
             rate = Rate.from_mapping(e["rate"], f"{where}.rate") if "rate" in e else None
-            keys.append(ApiKey(name, digest, rate))
+            priority = integer(e, where, "priority", 0, -(2**31), 2**31 - 1) if "priority" in e else None
+            keys.append(ApiKey(name, digest, rate, priority))
         if len({k.name for k in keys}) != len(keys) or len({k.sha256 for k in keys}) != len(keys):
             raise ConfigError(f"{w}.keys: names and keys must be distinct")
         return cls(tuple(keys))

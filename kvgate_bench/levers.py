@@ -1,0 +1,145 @@
+"""``kvgate-bench levers``: each compute-scheduling lever on its own and together, in virtual time.
+
+The same workload is replayed through kvgate's real decision service and simulated engines with one
+configuration per row: round robin, routing alone, then routing plus each lever (calibrated token
+estimate, gateway queue FCFS / shortest-first, length-bucketed pools, priority classes) and all of
+them. Rows differ only in configuration, so their ratios are the levers' effects. Requests the gateway
+queue refused (429) are counted apart; TTFT is over the requests that ran and includes time queued.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvgate.config import PolicyName
+from kvgate.features import Features
+
+from kvgate_bench import report, virtual
+from kvgate_bench.report import Progress, Summary
+from kvgate_bench.workloads import add_workload_args, build_workload
+from vllm_sim.profiles import PROFILES, get_profile
+
+NO_LEARN = {"tokens": {"learn": False}}  # the fixed 4 bytes per token kvgate used before calibration
+PRIORITY_EVERY = 5  # priority lever: one request in this many is interactive (class -1)
+
+
+@dataclass(frozen=True)
+class Lever:
+    name: str
+    policy: PolicyName
+    extra: dict[str, Any] = field(default_factory=dict)
+    pools: bool = False  # backends split into a short and a long pool
+    priority: bool = False  # one request in PRIORITY_EVERY asks for class -1
+
+
+def queue(order: str, **more: Any) -> dict[str, Any]:
+    return {"enabled": True, "order": order, "max_wait_ms": 600_000, **more}
+
+
+LEVERS = {
+    lv.name: lv
+    for lv in (
+        Lever("round_robin", PolicyName.ROUND_ROBIN, NO_LEARN),
+        Lever("routing", PolicyName.KVGATE, NO_LEARN),
+        Lever("+tokens", PolicyName.KVGATE),
+        Lever("+queue", PolicyName.KVGATE, {**NO_LEARN, "queue": queue("fcfs")}),
+        Lever("+queue-shortest", PolicyName.KVGATE, {**NO_LEARN, "queue": queue("shortest")}),
+        Lever("+pools", PolicyName.KVGATE, NO_LEARN, pools=True),
+        Lever(
+            "+queue-priority",
+            PolicyName.KVGATE,
+            {**NO_LEARN, "queue": queue("fcfs", client_priority=True)},
+            priority=True,
+        ),
+        Lever("all", PolicyName.KVGATE, {"queue": queue("shortest")}, pools=True),
+    )
+}
+
+
+def pool_setup(feats: Sequence[Features], backends: int) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """A long pool of a quarter of the backends for the longest quarter of prompts (by the same
+    estimate the gateway makes), the rest short; each spills to the other."""
+    lengths = sorted(f.est_tokens for f in feats)
+    threshold = max(1, lengths[len(lengths) * 3 // 4])
+    long_n = max(1, backends // 4)
+    labels = [{"pool": "long" if i < long_n else "short"} for i in range(backends)]
+    pools = {
+        "rules": [{"pool": "short", "max_prompt_tokens": threshold}, {"pool": "long"}],
+        "spill": {"short": ["long"], "long": ["short"]},
+    }
+    return {"pools": pools}, labels
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvgate-bench levers", description=__doc__)
+    add_workload_args(p)
+    p.add_argument("--backends", type=int, default=4)
+    p.add_argument("--speedups", type=float, nargs="+", default=[1.0, 3.0])
+    p.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
+    p.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
+    p.add_argument("--out", default="bench-results/levers")
+    args = p.parse_args(argv)
+    reqs = build_workload(args)
+    profile = get_profile(args.profile)
+    print(f"{len(reqs)} requests; computing features", file=sys.stderr)
+    feats = virtual.features_for(reqs)
+    urgent = {r.rid for r in reqs if r.rid % PRIORITY_EVERY == 0}
+    with_priority: list[Features] = [
+        dataclasses.replace(f, priority=-1) if r.rid in urgent else f
+        for r, f in zip(reqs, feats, strict=True)
+    ]
+    cached = virtual.pooled_cache_ideal(reqs, args.backends, profile)
+    ideal = sum(cached) / max(1, sum(r.prompt_tokens for r in reqs))
+    zero_q = virtual.zero_queue_ttft(reqs, cached, profile)
+    pools_extra, pool_labels = pool_setup(feats, args.backends)
+    rows: list[Summary] = []
+    notes: list[str] = []
+    for speedup in args.speedups:
+        base = None
+        for name in args.levers:
+            lv = LEVERS[name]
+            extra = {**lv.extra, **(pools_extra if lv.pools else {})}
+            run = virtual.replay(
+                reqs,
+                with_priority if lv.priority else feats,
+                lv.policy,
+                args.backends,
+                profile,
+                speedup,
+                progress=Progress(f"{name} x{speedup:g}"),
+                extra=extra,
+                labels=pool_labels if lv.pools else None,
+            )
+            row = virtual.summarize_run(
+                f"{name} x{speedup:g}", run, ideal, sum(zero_q) / len(zero_q), speedup
+            )
+            row = dataclasses.replace(row, errors=run.rejected)
+            rows.append(row)
+            base = base if base is not None else row.ttft_mean
+            line = (
+                f"{name:16} x{speedup:<4g} TTFT mean {row.ttft_mean:7.3f}s ({row.ttft_mean / base:.2f}x) "
+                f"p50 {row.ttft_p50:.3f} p90 {row.ttft_p90:.3f} p99 {row.ttft_p99:.3f} "
+                f"hit {row.hit_rate:.1%} rejected {run.rejected}"
+            )
+            if lv.priority:
+                hi = [r.ttft for r in run.results if r.rid in urgent]
+                lo = [r.ttft for r in run.results if r.rid not in urgent]
+                line += (
+                    f" | class -1 mean {sum(hi) / max(1, len(hi)):.3f}s, "
+                    f"class 0 mean {sum(lo) / max(1, len(lo)):.3f}s"
+                )
+            print(line, file=sys.stderr)
+            notes.append(line)
+    head = report.header(["levers", *argv])
+    out = Path(args.out) / f"{args.workload}-{args.backends}-backends"
+    path = report.write(
+        out, f"compute levers, {args.workload}, {args.backends} x {profile.name}", head, rows, notes=notes
+    )
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,48 @@
+"""How many gateway replicas share the backends, so each dispatches only its share from its queue.
+
+Each sidecar keeps a heartbeat in a Redis sorted set (member: its replica id, score: wall time);
+members silent for ``STALE_S`` are dropped and the rest counted. Without Redis a sidecar counts only
+itself. A Redis error keeps the last count (one replica's guess is better than a wrong zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from kvgate.registry import Registry
+
+logger = logging.getLogger(__name__)
+BEAT_S = 1.0
+STALE_S = 5.0
+
+
+def replica_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+async def count_once(client: aioredis.Redis, key: str, me: str, now: float) -> int:
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.zadd(key, {me: now})
+        pipe.zremrangebyscore(key, "-inf", now - STALE_S)
+        pipe.zcard(key)
+        pipe.expire(key, int(STALE_S * 4))
+        results = await pipe.execute()
+    return max(1, int(results[2]))
+
+
+async def replicas_loop(client: aioredis.Redis, prefix: str, registry: Registry) -> None:
+    key, me = f"{prefix}:replicas", replica_id()
+    while True:
+        try:
+            registry.set_replicas(await count_once(client, key, me, time.time()))
+        except (RedisError, OSError) as exc:
+            logger.debug("replica heartbeat failed: %s", exc)
+        await asyncio.sleep(BEAT_S)

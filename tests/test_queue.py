@@ -1,0 +1,79 @@
+"""The gateway queue's order and bounds, on a clock the test moves."""
+
+from __future__ import annotations
+
+import pytest
+from kvgate.config import DispatchOrder, PolicyName, QueueConfig
+from kvgate.features import Features
+from kvgate.queue import GatewayQueue, QueueFull, Waiting
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def queue(**kw: object) -> tuple[GatewayQueue, Clock]:
+    clock = Clock()
+    return GatewayQueue(QueueConfig(enabled=True, **kw), clock), clock  # type: ignore[arg-type]
+
+
+def waiting(q: GatewayQueue, did: str, tokens: int = 100, priority: int = 0) -> Waiting:
+    w = Waiting(did, Features("m", None, "none", (), 400), PolicyName.KVGATE, priority, q.clock(), tokens)
+    q.add(w)
+    return w
+
+
+def order(q: GatewayQueue) -> list[str]:
+    return [w.decision_id for w in q.in_order()]
+
+
+def test_fcfs_keeps_arrival_order_within_a_priority_class() -> None:
+    q, clock = queue()
+    for did, prio in (("a", 0), ("b", 1), ("c", 0), ("d", -1)):
+        waiting(q, did, priority=prio)
+        clock.t += 1
+    assert order(q) == ["d", "a", "c", "b"]
+
+
+def test_shortest_first_with_ageing_bounds_how_long_a_long_prompt_waits() -> None:
+    q, clock = queue(order=DispatchOrder.SHORTEST, ageing_s=10.0)
+    waiting(q, "long", tokens=50_000)
+    clock.t += 1
+    waiting(q, "short", tokens=10)
+    waiting(q, "mid", tokens=1_000)
+    assert order(q) == ["short", "mid", "long"]
+    clock.t += 9.5  # the long one has waited 10.5 s: it goes ahead of every younger request
+    waiting(q, "tiny", tokens=1)
+    assert order(q) == ["long", "tiny", "short", "mid"]
+
+
+def test_a_full_queue_refuses_with_a_retry_after_from_the_dispatch_rate() -> None:
+    q, clock = queue(max_size=3)
+    ws = [waiting(q, f"w{i}") for i in range(3)]
+    with pytest.raises(QueueFull) as refused:
+        waiting(q, "late")
+    assert refused.value.retry_after == 1  # nothing dispatched yet: no rate to go by
+    for w in ws[:2]:  # two dispatches 2 s apart: 0.5 per second, smoothed
+        clock.t += 2
+        q.dispatched(w)
+    assert len(q) == 1
+    waiting(q, "x")
+    waiting(q, "y")
+    with pytest.raises(QueueFull) as refused:
+        waiting(q, "z")
+    assert 1 < refused.value.retry_after <= 60
+
+
+def test_expired_removes_exactly_the_requests_that_waited_too_long() -> None:
+    q, clock = queue(max_wait_s=5.0)
+    waiting(q, "old")
+    clock.t += 3
+    waiting(q, "young")
+    clock.t += 2.5
+    assert [w.decision_id for w in q.expired()] == ["old"]
+    assert "old" not in q and "young" in q and len(q) == 1
+    assert q.remove("young") is not None and q.remove("young") is None and len(q) == 0
