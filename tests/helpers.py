@@ -124,7 +124,11 @@ class Gateway:
         if extra:
             parsed = Config.from_mapping(cfg, {})
             self.settings = dataclasses.replace(
-                self.settings, auth=parsed.auth.enabled, limits=parsed.limited
+                self.settings,
+                auth=parsed.auth.enabled,
+                limits=parsed.limited,
+                queue=parsed.queue.enabled,
+                queue_heartbeat_ms=round(parsed.queue.heartbeat_s * 1000),
             )
         self.replica = launch_replica(stack, name, cfg, self.settings)
         self.sidecar = Sidecar(self.replica)

@@ -22,7 +22,9 @@ from kvgate import protocol
 from kvgate.nginx_conf import DEBIAN_MODULES, NginxSettings, find_nginx, render, user_directive
 from kvgate.tools.launcher import Supervisor, free_port, get_json, wait_listening, wait_ready
 
-Answer = Callable[[dict[str, Any]], dict[str, Any] | None]
+# A reply (wire JSON without ``pv``), None for silence, or a list of replies and pauses (seconds)
+# sent in order on the connection: a queued request's heartbeats, then its decision.
+Answer = Callable[[dict[str, Any]], dict[str, Any] | list[dict[str, Any] | float] | None]
 
 
 class MockSidecar:
@@ -57,8 +59,15 @@ class MockSidecar:
                         continue
                     if mock.delay_s:
                         time.sleep(mock.delay_s)
-                    self.wfile.write(protocol.line({"pv": mock.version, **reply}))
-                    self.wfile.flush()
+                    try:
+                        for part in reply if isinstance(reply, list) else [reply]:
+                            if isinstance(part, float | int):
+                                time.sleep(part)
+                                continue
+                            self.wfile.write(protocol.line({"pv": mock.version, **part}))
+                            self.wfile.flush()
+                    except OSError:
+                        return  # Nginx gave up on this connection
 
         self.server = socketserver.ThreadingUnixStreamServer(str(path), Handler)
         path.chmod(0o666)  # Nginx's workers may be another user (nobody, when tests run as root)
@@ -66,7 +75,7 @@ class MockSidecar:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
-    def reply(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+    def reply(self, msg: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any] | float] | None:
         op = msg.get("op")
         if op == "peers":
             return {"v": self.peers_version, "peers": [{"id": i, "addr": a} for i, a in self.peers]}

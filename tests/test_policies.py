@@ -131,3 +131,16 @@ def test_a_responses_conversation_stays_on_its_backend_even_saturated() -> None:
     f = Features("m", "r:resp_1", "response", (), 100)
     d = decide(PolicyName.KVGATE, Request(f, 1, bound="a"), saturated, 3)
     assert d.candidates[0] == "a" and d.session is SessionAction.KEEP
+
+
+def test_gateway_replicas_split_a_backends_prefill_budget_for_dispatch() -> None:
+    """Room to dispatch from the gateway queue: one budget of prefill tokens per backend, shared by
+    the replicas, so replicas that see a backend free up at once cannot pour two budgets into it."""
+    nodes = {"a": NodeView("a", 1.0, load())}
+    limits = LoadLimits(1.25, 8, 0.95, 1000)
+    for replicas, tokens, room in ((1, 600, True), (2, 600, False), (2, 400, True), (1, 1000, False)):
+        s = Snapshot(nodes, Ring({"a": 1.0}), limits, {"a": 1}, {"a": tokens}, replicas)
+        assert s.has_room("a") is room, (replicas, tokens)
+        assert s.saturated("a") is (tokens >= 1000)  # routing's own test ignores the split
+    waiting = Snapshot({"a": NodeView("a", 1.0, load(waiting=9))}, Ring({"a": 1.0}), limits)
+    assert not waiting.has_room("a")  # a backend queueing requests has no room, whatever the tokens

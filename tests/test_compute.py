@@ -1,0 +1,162 @@
+"""The compute layer's pure parts and the decision service's use of them, in one process: the learned
+token estimate, length-bucketed pools with spill, and the gateway queue's late binding."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from kvgate.config import Config, ConfigError, TokensConfig
+from kvgate.features import Features
+from kvgate.load import Scraped
+from kvgate.protocol import Outcome
+from kvgate.queue import QueueTimeout
+from kvgate.service import Queued, Routed
+from kvgate.sidecar import Sidecar, build_sidecar
+from kvgate.tokens import TokenEstimator
+
+MODEL = "m"
+
+
+# -- the token estimate ------------------------------------------------------------------------------
+def test_bytes_per_token_is_learned_from_what_each_backend_counted() -> None:
+    t = TokenEstimator(TokensConfig())
+    assert t.ratio(MODEL) == 4.0  # until something is learned
+    t.counted("a", 100.0)  # first sight: the window starts here
+    t.routed("a", MODEL, 20_000)
+    t.counted("a", 100.0 + 10_000)  # 20,000 bytes were 10,000 tokens
+    assert t.ratio(MODEL) == pytest.approx(2.0)
+    t.routed("a", MODEL, 40_000)
+    t.counted("a", 10_100.0 + 10_000)  # 4 bytes per token now: smoothed, not jumped to
+    assert 2.0 < t.ratio(MODEL) < 4.0
+
+
+def test_windows_that_mix_models_or_follow_a_restart_teach_nothing() -> None:
+    t = TokenEstimator(TokensConfig())
+    t.counted("a", 0.0)
+    t.routed("a", MODEL, 20_000)
+    t.routed("a", "other", 20_000)
+    t.counted("a", 10_000.0)
+    assert t.learned == {}
+    t.routed("a", MODEL, 20_000)
+    t.counted("a", 5.0)  # the counter went back: the backend restarted
+    assert t.learned == {}
+    t.routed("a", MODEL, 100)
+    t.counted("a", 105.0)  # 100 tokens: too small a window to trust
+    assert t.learned == {}
+
+
+def test_a_ratio_set_in_the_config_wins_and_bad_ones_are_refused() -> None:
+    t = TokenEstimator(TokensConfig.from_mapping({"bytes_per_token": {MODEL: 2.5}}))
+    t.counted("a", 0.0)
+    t.routed("a", MODEL, 40_000)
+    t.counted("a", 10_000.0)
+    assert t.ratio(MODEL) == 2.5 and t.ratio("other") == 4.0
+    for bad in (0, "x", True, 100, float("nan")):
+        with pytest.raises(ConfigError, match="bytes_per_token"):
+            TokensConfig.from_mapping({"bytes_per_token": {MODEL: bad}})
+
+
+# -- the decision service with pools and the queue ---------------------------------------------------
+def service(labels: list[str] | None = None, **sections: Any) -> Sidecar:
+    n = len(labels) if labels else 2
+    cfg = Config.from_mapping(
+        {
+            "redis": {"url": None},
+            "routing": {"saturation_prefill_tokens": 1000},
+            "backends": [
+                {
+                    "id": f"b{i}",
+                    "url": f"http://127.0.0.1:{i + 1}",
+                    "labels": {"pool": labels[i]} if labels else {},
+                }
+                for i in range(n)
+            ],
+            **sections,
+        }
+    )
+    sc = build_sidecar(cfg, None)
+    sc.registry.set_membership((b, False) for b in cfg.backends)
+    for b in cfg.backends:
+        sc.registry.set_models(b.id, frozenset({MODEL}))
+        idle(sc, b.id)
+    return sc
+
+
+def idle(sc: Sidecar, backend: str, waiting: float = 0.0) -> None:
+    sc.registry.scrape_ok(backend, Scraped(0, waiting, 0.1, None, None, time.monotonic()))
+    sc.registry.changed()
+
+
+def feats(n_bytes: int, tag: str = "x") -> Features:
+    return Features(MODEL, None, "none", (f"{tag}{n_bytes}",), n_bytes)
+
+
+def routed(sc: Sidecar, f: Features, did: str | None = None) -> Routed | Queued:
+    return asyncio.run(sc.service.decide(f, did))
+
+
+POOLS = {
+    "rules": [{"pool": "short", "max_prompt_tokens": 2000}, {"pool": "long"}],
+    "spill": {"long": ["short"]},
+}
+
+
+def test_pools_pick_by_estimated_length_and_a_full_pool_spills_in_order() -> None:
+    sc = service(["short", "short", "long"], pools=POOLS)
+    short = routed(sc, feats(400))
+    long = routed(sc, feats(40_000))  # 10,000 tokens
+    assert isinstance(short, Routed) and short.pool == "short" and short.candidates[0].id in ("b0", "b1")
+    assert isinstance(long, Routed) and long.pool == "long" and [c.id for c in long.candidates] == ["b2"]
+    # The long pool has no room now (10,000 tokens awaiting prefill): the next long prompt spills.
+    spilled = routed(sc, feats(40_000, "y"))
+    assert isinstance(spilled, Routed) and spilled.pool == "short"
+    assert sc.metrics.pool_spills.labels("long", "short")._value.get() == 1
+    explained = asyncio.run(sc.service.explain(feats(400, "z")))
+    assert explained.pool == "short"
+
+
+def test_a_queued_request_is_bound_when_a_backend_frees_up_and_counts_end_at_zero() -> None:
+    async def scenario() -> None:
+        sc = service(queue={"enabled": True})
+        svc = sc.service
+        first = await svc.decide(feats(8000, "a"), "d1")  # 2,000 tokens each: one per backend
+        second = await svc.decide(feats(8000, "b"), "d2")
+        third = await svc.decide(feats(8000, "c"), "d3")
+        assert isinstance(first, Routed) and isinstance(second, Routed)
+        assert isinstance(third, Queued) and len(svc.queue or ()) == 1
+        assert await svc.dispatch() == []  # nothing freed: it keeps waiting
+        svc.report([Outcome.first("d2", second.candidates[0].id)])  # d2's prefill is done
+        (w, result), *rest = await svc.dispatch()
+        assert not rest and w.decision_id == "d3" and isinstance(result, Routed)
+        assert result.candidates[0].id == second.candidates[0].id  # bound where room opened, late
+        for did, r in (("d1", first), ("d2", second), ("d3", result)):
+            svc.report([Outcome.end(did, r.candidates[0].id, 200, ttft=0.1)])
+        assert sum(sc.registry.inflight.values()) == 0 and sum(sc.registry.inflight_tokens.values()) == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_waits_too_long_or_whose_client_left_leaves_the_queue_unrouted() -> None:
+    async def scenario() -> None:
+        sc = service(queue={"enabled": True, "max_wait_ms": 100})
+        svc = sc.service
+        assert svc.queue is not None
+        clock = [0.0]
+        svc.queue.clock = lambda: clock[0]
+        for i in range(2):
+            assert isinstance(await svc.decide(feats(8000, f"busy{i}"), f"busy{i}"), Routed)
+        late = await svc.decide(feats(8000, "late"), "late")
+        gone = await svc.decide(feats(8000, "gone"), "gone")
+        assert isinstance(late, Queued) and isinstance(gone, Queued)
+        svc.report([Outcome.drop("gone")])  # its client went away
+        assert "gone" not in svc.queue
+        clock[0] = 0.2
+        ((w, refusal),) = await svc.dispatch()
+        assert w.decision_id == "late" and isinstance(refusal, QueueTimeout) and refusal.retry_after >= 1
+        assert len(svc.queue) == 0
+        assert sorted(sc.registry.inflight_tokens.values()) == [2000, 2000]  # only the two that ran
+
+    asyncio.run(scenario())

@@ -1,0 +1,116 @@
+"""The gateway queue end to end: the official openai client -> real Nginx with kvgate's Lua -> the
+real sidecar with the queue on -> simulated vLLM backends. Backends saturate after one request
+awaiting prefill, so a burst waits at the gateway and is bound to a backend as one frees up."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+from kvgate.tools.launcher import Supervisor, free_port
+
+from tests.conftest import MODEL, http_json, wait_until
+from tests.helpers import Gateway, start_backends
+from tests.test_inflight_e2e import inflight
+
+pytestmark = pytest.mark.e2e
+BURST = 12
+
+
+def gateway(stack: Supervisor, **queue: Any) -> Gateway:
+    redis_port = free_port()
+    stack.start_redis(redis_port)
+    sim = start_backends(stack, 2)
+    return Gateway(
+        stack,
+        "gw",
+        redis_port,
+        sim,
+        2,
+        extra={"queue": {"enabled": True, "heartbeat_ms": 100, **queue}},
+        # One request awaiting prefill saturates a backend: a burst must wait at the gateway.
+        saturation_prefill_tokens=512,
+    )
+
+
+def prompt(i: int) -> str:
+    return " ".join(f"q{i}-w{j}" for j in range(700))  # ~5 KB: above the 512-token budget alone
+
+
+def burst(url: str, n: int, stream: bool = True) -> list[Any]:
+    """``n`` chat requests at once through the openai client; each result is the text or the error."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    results: list[Any] = [None] * n
+
+    def one(i: int) -> None:
+        try:
+            messages: Any = [{"role": "user", "content": prompt(i)}]
+            if stream:
+                chunks = client.chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=8, stream=True
+                )
+                results[i] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            else:
+                results[i] = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+        except openai.APIError as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def metric(gw: Gateway, name: str) -> float:
+    text = http_json("GET", gw.sidecar.http + "/metrics")[1]
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def idle(gw: Gateway) -> Callable[[], bool]:
+    return lambda: inflight(gw) == (0, 0) and metric(gw, "kvgate_queue_depth") == 0
+
+
+def test_a_burst_waits_at_the_gateway_and_every_request_is_served(stack: Supervisor) -> None:
+    gw = gateway(stack)
+    results = burst(gw.url, BURST)
+    assert all(isinstance(r, str) and r for r in results), results
+    waited = metric(gw, "kvgate_queue_wait_seconds_count")
+    assert waited >= BURST // 2, waited  # two backends, one prefill each: most of the burst queued
+    assert metric(gw, "kvgate_queue_rejected_total") == 0
+    wait_until(idle(gw), timeout=2)
+
+
+def test_past_the_queue_bound_clients_get_429_with_retry_after(stack: Supervisor) -> None:
+    gw = gateway(stack, max_size=2)
+    results = burst(gw.url, BURST, stream=False)
+    refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+    served = [r for r in results if not isinstance(r, Exception)]
+    assert refused and served and len(refused) + len(served) == BURST, results
+    for r in refused:
+        assert r.response.headers["Retry-After"].isdigit()
+        assert r.body["code"] == "queue_full"  # type: ignore[index]
+    assert metric(gw, "kvgate_queue_rejected_total") == len(refused)
+    wait_until(idle(gw), timeout=2)
+
+
+def test_a_sidecar_killed_while_requests_wait_never_strands_them(stack: Supervisor) -> None:
+    gw = gateway(stack, max_wait_ms=30_000)
+    # Every decision waits: a backend saturates at once, and the burst outnumbers them.
+    results: list[Any] = []
+    runner = threading.Thread(target=lambda: results.extend(burst(gw.url, BURST)))
+    runner.start()
+    wait_until(lambda: metric(gw, "kvgate_queue_depth") > 0, timeout=10, every=0.01)
+    os.kill(stack.procs[gw.sidecar.name].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    runner.join(60)
+    assert all(isinstance(r, str) and r for r in results), results
+    assert time.monotonic() - t0 < 20

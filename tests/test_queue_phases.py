@@ -1,0 +1,138 @@
+"""The gateway queue as Nginx sees it, in a real Nginx with kvgate's Lua and a mock sidecar: a queued
+request waits past the decision budget while heartbeats come, falls open when they stop, gets 429
+JSON when refused, leaves the queue when its client goes away, and carries its priority."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kvgate.tools.launcher import Supervisor, free_port
+
+from tests.conftest import http_json, wait_until
+from tests.lua_harness import MockSidecar, PhaseNginx
+from tests.test_lua_phases import CHAT, Phase
+
+pytestmark = pytest.mark.e2e
+HEARTBEAT_MS = 100
+
+
+@pytest.fixture
+def phase(stack: Supervisor) -> Iterator[Phase]:
+    p = Phase(stack, queue=True, queue_heartbeat_ms=HEARTBEAT_MS)
+    try:
+        yield p
+    finally:
+        p.sidecar.close()
+
+
+def queued_then(phase: Phase, beats: int, last: dict[str, Any] | None) -> None:
+    """The mock answers every decision 'queued', sends ``beats`` more heartbeats a heartbeat apart,
+    then ``last`` (None: silence, as a sidecar that died)."""
+    pause = HEARTBEAT_MS / 1000
+
+    def answer(msg: dict[str, Any]) -> list[dict[str, Any] | float]:
+        lines: list[dict[str, Any] | float] = [{"i": msg["i"], "q": 1}]
+        for _ in range(beats):
+            lines += [pause, {"i": msg["i"], "q": 1}]
+        if last is not None:
+            lines += [pause, {"i": msg["i"], **last}]
+        return lines
+
+    phase.sidecar.answer = answer
+
+
+def test_a_queued_request_waits_past_the_budget_and_goes_where_it_is_dispatched(phase: Phase) -> None:
+    queued_then(phase, 4, {"c": [["ok-b", phase.addr("ok-b")]], "r": "ring"})
+    t0 = time.monotonic()
+    status, headers, body = phase.post()
+    waited = time.monotonic() - t0
+    assert status == 200 and json.loads(body) == {"served_by": "ok-b"}
+    assert headers["X-Kvgate-Route"] == "ring"  # the sidecar's decision, not a fail-open
+    assert waited >= 0.4  # five heartbeat periods, far past the 50 ms decision budget
+    did = phase.sidecar.decides()[-1]["i"]
+    wait_until(lambda: any(o["k"] == "end" and o.get("i") == did for o in phase.sidecar.outcomes()))
+    assert not [o for o in phase.sidecar.outcomes() if o["k"] == "drop"]
+
+
+def test_heartbeats_that_stop_mean_a_dead_sidecar_and_the_request_falls_open(phase: Phase) -> None:
+    queued_then(phase, 2, None)
+    t0 = time.monotonic()
+    status, headers, _ = phase.post(headers={"X-Session-ID": "stranded"})
+    waited = time.monotonic() - t0
+    assert status == 200 and headers["X-Kvgate-Route"] == "fail-open"
+    # Two heartbeats came (0.2 s); then silence for 2 heartbeats + the 50 ms budget.
+    assert 0.3 <= waited < 1.5
+    did = phase.sidecar.decides()[-1]["i"]
+    wait_until(lambda: {"k": "drop", "i": did} in phase.sidecar.outcomes(), timeout=2)
+
+
+@pytest.mark.parametrize("code", ["queue_full", "queue_timeout"])
+def test_a_refusal_from_the_queue_is_a_429_with_retry_after(phase: Phase, code: str) -> None:
+    refusal = {"e": code, "msg": "Every backend is busy; retry later.", "ra": 7}
+    if code == "queue_full":
+        phase.sidecar.answer = lambda msg: refusal
+    else:
+        queued_then(phase, 1, refusal)
+    status, headers, body = phase.post()
+    assert status == 429 and headers["Retry-After"] == "7"
+    assert headers["Content-Type"] == "application/json"
+    err = json.loads(body)["error"]
+    assert err["type"] == "RateLimitError" and err["code"] == code and "busy" in err["message"]
+
+
+def test_a_client_that_goes_away_while_queued_takes_its_request_out(phase: Phase) -> None:
+    queued_then(phase, 50, {"c": [["ok-a", phase.addr("ok-a")]], "r": "ring"})  # 5 s of waiting
+    body = json.dumps(CHAT).encode()
+    host, port = "127.0.0.1", phase.nginx.port
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_until(lambda: bool(phase.sidecar.decides()), timeout=2)
+        time.sleep(0.3)
+    did = phase.sidecar.decides()[-1]["i"]
+    t0 = time.monotonic()
+    wait_until(lambda: {"k": "drop", "i": did} in phase.sidecar.outcomes(), timeout=2)
+    assert time.monotonic() - t0 < 1.0  # the queue hears of it at once, not when its turn comes
+
+
+def test_the_clients_priority_goes_to_the_sidecar_and_bad_ones_are_refused(phase: Phase) -> None:
+    # The client's X-Priority reaches the sidecar as the request's class.
+    phase.route("ok-a")
+    status, _, _ = phase.post(headers={"X-Priority": "-3"})
+    assert status == 200 and phase.sidecar.decides()[-1]["f"]["pr"] == -3
+    status, _, _ = phase.post({**CHAT, "priority": 4})
+    assert status == 200 and phase.sidecar.decides()[-1]["f"]["pr"] == 4
+    for bad in ("high", 1.5, 1e20, [1]):
+        status, _, body = phase.post({**CHAT, "priority": bad})
+        assert status == 400 and json.loads(body)["error"]["param"] == "priority", bad
+
+
+def test_the_decided_priority_is_written_into_the_body_the_backend_gets(stack: Supervisor) -> None:
+    port = free_port()
+    echo = f"""server {{ listen 127.0.0.1:{port}; location / {{ content_by_lua_block {{
+        ngx.req.read_body()
+        ngx.header["Content-Type"] = "application/json"
+        ngx.print(ngx.req.get_body_data())
+    }} }} }}"""
+    mock = MockSidecar(stack.run_dir / "mock.sock", [("echo", f"127.0.0.1:{port}")])
+    try:
+        nginx = PhaseNginx(stack, mock.path, echo, queue=True)
+        for asked, decided, backend_gets in ((None, 2, 2), (None, None, None), (5, 2, 5)):
+            reply: dict[str, Any] = {"c": [["echo", f"127.0.0.1:{port}"]], "r": "ring"}
+            if decided is not None:
+                reply["pr"] = decided
+            mock.answer = lambda msg, reply=reply: {"i": msg["i"], **reply}  # type: ignore[misc]
+            body = CHAT if asked is None else {**CHAT, "priority": asked}
+            status, got = http_json("POST", nginx.url + "/v1/chat/completions", body)
+            assert status == 200 and got.get("priority") == backend_gets, (asked, decided, got)
+            assert got["messages"] == CHAT["messages"]
+    finally:
+        mock.close()
