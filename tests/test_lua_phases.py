@@ -170,6 +170,18 @@ def test_stream_ttft_is_the_first_body_byte_not_the_headers(phase: Phase) -> Non
     assert {"k": "first", "i": did, "b": "stream"} in phase.sidecar.outcomes()
 
 
+def test_a_stream_retried_after_a_failed_candidate_is_not_taken_for_cut(phase: Phase) -> None:
+    """After a retry $upstream_response_time reads "0.001, -": the stream's flushes while the second
+    try runs are not the end of a cut stream."""
+    phase.route("503", "stream")
+    status, headers, body = phase.post()
+    assert status == 200 and headers["X-Kvgate-Backend"] == "stream"
+    assert b"closed the stream" not in body and body.count(b"data: ") == 6
+    wait_until(lambda: any(o["k"] == "end" for o in phase.sidecar.outcomes()))
+    end = next(o for o in phase.sidecar.outcomes() if o["k"] == "end")
+    assert end["s"] == 200 and "c" not in end
+
+
 def test_a_late_decision_is_dropped_and_the_request_falls_open(phase: Phase) -> None:
     """A sidecar that answers after the 50 ms budget may have counted the request: Nginx reports the
     decision it did not use as dropped, so the count ends."""

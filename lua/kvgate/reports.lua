@@ -23,6 +23,7 @@ local str_find   = string.find
 local str_format = string.format
 local str_match  = string.match
 local str_gmatch = string.gmatch
+local str_sub    = string.sub
 
 local FLUSH_EVERY_S  = 0.1     -- outcome reports are flushed in batches this often
 local MAX_PENDING    = 10000   -- bound of one worker's unsent outcomes
@@ -161,6 +162,12 @@ end
 local CUT_EVENT = 'data: {"error":{"message":"The backend closed the stream before it finished.",'
                   .. '"type":"BadGatewayError","param":null,"code":502}}\n\n'
 
+-- Whether the try now answering has finished: $upstream_response_time lists every try ("0.002, -"
+-- after a retry) and shows "-" for the one in progress. An empty chunk while it runs is a flush.
+local function upstream_done()
+    return str_sub(ngx_var.upstream_response_time or "-", -1) ~= "-"
+end
+
 local function cut(ctx)
     ctx.kv_cut = true
     ctx.kv_eof = true
@@ -192,7 +199,7 @@ function _M.body_filter()
     end
     if not ctx.kv_first then
         if ngx.arg[1] == "" then
-            if not ctx.kv_eof and ngx_var.upstream_response_time ~= "-" then
+            if not ctx.kv_eof and upstream_done() then
                 cut(ctx)   -- cut before the first byte (after the headers)
             end
             return
@@ -214,7 +221,7 @@ function _M.body_filter()
         end
         return
     end
-    if not ctx.kv_eof and ngx_var.upstream_response_time ~= "-" and ngx.arg[1] == "" then
+    if not ctx.kv_eof and ngx.arg[1] == "" and upstream_done() then
         cut(ctx)
     end
 end
