@@ -413,3 +413,56 @@ def test_embeddings_score_rerank_and_render(client: openai.OpenAI, sim: str) -> 
 def test_audio_transcription_is_multipart(client: openai.OpenAI) -> None:
     out = client.audio.transcriptions.create(model=MODEL, file=("a.wav", b"\0" * 3000))
     assert len(out.text.split()) == 16
+
+
+def test_disaggregated_prefill_then_decode_like_vllms_nixl_connector(tmp_path: Path) -> None:
+    """A prefill instance answers a do_remote_decode leg with one token, finish "length" and the
+    kv_transfer_params a decoder needs; a decode instance given them skips the prefill (TTFT is the
+    KV transfer plus a step) and each role refuses the other's leg."""
+    s = Supervisor(tmp_path)
+    port = free_ports(3)
+    s.start_sim(port, 3, "sim", "--model", MODEL, "--role", "prefill,decode,both", "--seed", "1")
+    prefiller, decoder, both = (f"http://127.0.0.1:{port + i}" for i in range(3))
+    try:
+        prompt = words(6000, "pd")
+        leg = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": leg}
+        status, first = http_json("POST", prefiller + "/v1/completions", body)
+        assert status == 200 and first["choices"][0]["finish_reason"] == "length"
+        params = first["kv_transfer_params"]
+        assert (
+            params["do_remote_prefill"] is True
+            and params["remote_num_tokens"] == first["usage"]["prompt_tokens"]
+        )
+        assert params["remote_port"] == port and params["remote_block_ids"]
+
+        def ttft(url: str, extra: dict[str, Any]) -> float:
+            t0 = time.perf_counter()
+            req = urllib.request.Request(
+                url + "/v1/completions",
+                data=json.dumps(
+                    {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": True, **extra}
+                ).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                resp.readline()  # the first event: the first token
+                took = time.perf_counter() - t0
+                resp.read()
+            return took
+
+        remote = ttft(decoder, {"kv_transfer_params": params})
+        local = ttft(both, {})  # the same prompt prefilled in place
+        assert remote < local / 2, (remote, local)
+        status, _ = http_json("POST", decoder + "/v1/completions", body)
+        assert status == 400  # a decode instance does not prefill for others
+        status, _ = http_json(
+            "POST", prefiller + "/v1/completions", {**body, "max_tokens": 4, "kv_transfer_params": params}
+        )
+        assert status == 400  # nor the reverse
+        status, _ = http_json(
+            "POST", both + "/v1/completions", {**body, "kv_transfer_params": {"do_remote_prefill": True}}
+        )
+        assert status == 400  # a remote prefill without its blocks
+    finally:
+        s.stop_all()

@@ -14,7 +14,7 @@ from vllm_sim.calibrate import calibrate, report
 from vllm_sim.engine import EngineConfig, SchedulingPolicy
 from vllm_sim.faults import Faults
 from vllm_sim.profiles import PROFILES, get_profile
-from vllm_sim.server import KEEP_ALIVE_S, Instance, InstanceConfig
+from vllm_sim.server import KEEP_ALIVE_S, ROLES, Instance, InstanceConfig
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -36,6 +36,17 @@ def _serve_parser() -> argparse.ArgumentParser:
         type=float,
         default=KEEP_ALIVE_S,
         help="close idle client connections after this long (vLLM/uvicorn: 5 s)",
+    )
+    p.add_argument(
+        "--role",
+        default="both",
+        help="prefill|decode|both, or a comma list taken in turn by the instances (disaggregation)",
+    )
+    p.add_argument(
+        "--kv-transfer-tokens-per-s",
+        type=float,
+        default=200_000.0,
+        help="speed of a decode instance's KV read from its prefiller, in prompt tokens per second",
     )
     f = p.add_argument_group("fault injection (also settable at run time: POST /sim/faults)")
     f.add_argument("--fault-unhealthy", action="store_true")
@@ -62,6 +73,9 @@ def _configs(args: argparse.Namespace) -> list[InstanceConfig]:
             "metrics": args.fault_metrics,
         }
     )
+    roles = [r.strip() for r in args.role.split(",")]
+    if not all(r in ROLES for r in roles):
+        raise SystemExit(f"vllm-sim: --role takes {', '.join(ROLES)} (or a comma list of them)")
     out = []
     for i in range(args.instances):
         engine = EngineConfig.from_profile(
@@ -80,6 +94,8 @@ def _configs(args: argparse.Namespace) -> list[InstanceConfig]:
                 time_scale=args.time_scale,
                 faults=faults,
                 keep_alive_s=args.keep_alive_s,
+                role=roles[i % len(roles)],
+                kv_transfer_tokens_per_s=args.kv_transfer_tokens_per_s,
             )
         )
     return out

@@ -75,6 +75,9 @@ class Request:
     ignore_eos: bool = False
     priority: int = 0
     cache_salt: str | None = None
+    # Disaggregated decode: prompt tokens whose KV a prefill instance computed and this one received
+    # (vLLM's "external computed tokens"); they are not prefilled here, unless a preemption lost them.
+    remote_tokens: int = 0
     # Filled in by the engine.
     output_len: int = 0
     output_words: list[str] = field(default_factory=list)
@@ -303,6 +306,11 @@ class Engine:
             max_hit = (req.num_tokens - 1) // BLOCK_SIZE
             hit = self.pool.lookup(req.hashes, max_hit)
             computed = len(hit) * BLOCK_SIZE
+            local_hit = computed
+            if req.remote_tokens and not req.num_preemptions:
+                # Whole blocks arrived from the prefiller; the last token is always computed here.
+                remote = min(req.remote_tokens, req.num_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+                computed = max(computed, remote)
             n = min(req.num_tokens - computed, budget)
             need = _blocks_for(computed + n) - len(hit)
             if need > self.pool.num_free_after_touch(hit):
@@ -313,7 +321,7 @@ class Engine:
             req.num_computed = computed
             req.num_registered = len(hit)
             self.counters.prefix_queries += req.num_tokens
-            self.counters.prefix_hits += computed
+            self.counters.prefix_hits += local_hit
             if req.cached_tokens is None:
                 req.cached_tokens = computed
             req.status = Status.RUNNING

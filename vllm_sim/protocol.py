@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm_sim import tokenizer
+from vllm_sim.kv_cache import BLOCK_SIZE
 
 
 class ApiError(Exception):
@@ -58,6 +59,45 @@ class Parsed:
     priority: int
     cache_salt: str | None
     request_id: str
+    kv_transfer: KvTransfer | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransfer:
+    """``kv_transfer_params`` of a disaggregated request (vLLM's NixlConnector, ~0.11): the prefill
+    leg asks ``do_remote_decode`` (prefill here, keep the KV for a decoder to read); the decode leg
+    carries what the prefill answered, ``do_remote_prefill`` with where the KV blocks are."""
+
+    remote_decode: bool
+    remote_prefill: bool
+    remote_engine_id: str | None = None
+    remote_num_tokens: int | None = None  # prompt tokens whose KV the prefiller holds
+
+
+def parse_kv_transfer(raw: Any) -> KvTransfer | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ApiError(400, "kv_transfer_params must be an object", "kv_transfer_params")
+    decode, prefill = raw.get("do_remote_decode", False), raw.get("do_remote_prefill", False)
+    if not isinstance(decode, bool) or not isinstance(prefill, bool) or (decode and prefill):
+        raise ApiError(
+            400, "kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive booleans"
+        )
+    if not prefill:
+        return KvTransfer(decode, False)
+    engine, blocks, num = (
+        raw.get("remote_engine_id"),
+        raw.get("remote_block_ids"),
+        raw.get("remote_num_tokens"),
+    )
+    if not isinstance(engine, str) or not isinstance(blocks, list):
+        raise ApiError(
+            400, "kv_transfer_params: a remote prefill needs remote_engine_id and remote_block_ids"
+        )
+    if num is not None and (isinstance(num, bool) or not isinstance(num, int) or num < 0):
+        raise ApiError(400, "kv_transfer_params.remote_num_tokens must be a count of tokens")
+    return KvTransfer(False, True, engine, num if num is not None else len(blocks) * BLOCK_SIZE)
 
 
 def _int_field(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
@@ -154,6 +194,7 @@ def parse_request(
         priority=priority,
         cache_salt=salt,
         request_id=prefix + (rid if isinstance(rid, str) and rid else uuid.uuid4().hex),
+        kv_transfer=parse_kv_transfer(body.get("kv_transfer_params")),
     )
 
 
@@ -227,7 +268,13 @@ class ResponseBuilder:
             "usage": usage_block,
         }
 
-    def full(self, text: str, finish_reason: str, usage_block: dict[str, Any]) -> dict[str, Any]:
+    def full(
+        self,
+        text: str,
+        finish_reason: str,
+        usage_block: dict[str, Any],
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         if self.chat:
             choice: dict[str, Any] = {
                 "index": 0,
@@ -266,5 +313,5 @@ class ResponseBuilder:
             "service_tier": None,
             "system_fingerprint": None,
             "prompt_logprobs": None,
-            "kv_transfer_params": None,
+            "kv_transfer_params": kv_transfer_params,
         }

@@ -18,6 +18,7 @@ from aiohttp import web
 from vllm_sim import apis, protocol, tokenizer
 from vllm_sim.engine import Engine, EngineConfig, Request, SchedulingPolicy
 from vllm_sim.faults import Faults
+from vllm_sim.kv_cache import BLOCK_SIZE
 from vllm_sim.metrics import CONTENT_TYPE, InstanceMetrics
 from vllm_sim.realtime import INTERNAL_ERROR, EngineLoop
 
@@ -37,6 +38,15 @@ class InstanceConfig:
     time_scale: float = 1.0
     faults: Faults = field(default_factory=Faults)
     keep_alive_s: float = KEEP_ALIVE_S
+    # Disaggregation (vLLM with a KV connector): "prefill" serves prefill legs (do_remote_decode),
+    # "decode" decode legs (do_remote_prefill), "both" either; every role serves plain requests.
+    role: str = "both"
+    # KV-cache transfer speed from a prefiller, in prompt tokens per second (Llama-3.1-8B holds
+    # 128 KiB of KV per token: 200,000 tokens/s is ~26 GB/s, an RDMA link at 200 Gb/s).
+    kv_transfer_tokens_per_s: float = 200_000.0
+
+
+ROLES = ("both", "prefill", "decode")
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -66,6 +76,8 @@ class Instance:
         self._seen: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
         self.connections = 0
         self.responses_store = apis.ResponseStore()
+        self.engine_id = uuid.uuid4().hex  # names this instance's KV blocks to decoders
+        self.address = ("127.0.0.1", 0)
 
     def _lag(self) -> tuple[float, float, float]:
         if self.loop is None:
@@ -125,6 +137,7 @@ class Instance:
 
     async def _listen(self, host: str, port: int) -> None:
         assert self.runner is not None
+        self.address = (host, port)
         self.site = web.TCPSite(self.runner, host, port, reuse_address=True)
         await self.site.start()
 
@@ -194,11 +207,15 @@ class Instance:
         f = self.faults
         if f.fail_rate and self.rng.random() < f.fail_rate:
             raise protocol.ApiError(f.fail_status, "Injected failure")
+        kv = parsed.kv_transfer
+        remote_tokens = self._check_kv_transfer(kv, len(parsed.prompt_ids))
         assert self.loop is not None
         loop = self.loop
         arrival = loop.sim_now()
-        # Frontend work (API, tokenization) happens before the engine sees the request.
-        await asyncio.sleep(loop.to_wall(cfg.profile.frontend_s))
+        # Frontend work (API, tokenization) happens before the engine sees the request; a decode leg
+        # then waits while the prefiller's KV blocks are read (vLLM: WAITING_FOR_REMOTE_KVS).
+        transfer_s = remote_tokens / self.config.kv_transfer_tokens_per_s
+        await asyncio.sleep(loop.to_wall(cfg.profile.frontend_s + transfer_s))
         req = Request(
             request_id=parsed.request_id,
             prompt_ids=parsed.prompt_ids,
@@ -207,6 +224,7 @@ class Instance:
             ignore_eos=parsed.ignore_eos,
             priority=parsed.priority,
             cache_salt=parsed.cache_salt,
+            remote_tokens=remote_tokens,
         )
         queue = loop.submit(req)
         builder = protocol.ResponseBuilder(parsed)
@@ -217,6 +235,35 @@ class Instance:
         finally:
             if req.finish_reason is None:
                 loop.abort(req.request_id)
+
+    def _check_kv_transfer(self, kv: protocol.KvTransfer | None, prompt_len: int) -> int:
+        """Whether this instance's role takes this leg; the prompt tokens whose KV arrives remotely."""
+        if kv is None:
+            return 0
+        role = self.config.role
+        if kv.remote_decode and role == "decode":
+            raise protocol.ApiError(
+                400, "This is a decode instance: it does not prefill for a remote decoder."
+            )
+        if kv.remote_prefill and role == "prefill":
+            raise protocol.ApiError(400, "This is a prefill instance: it does not decode a remote prefill.")
+        return min(kv.remote_num_tokens or 0, prompt_len) if kv.remote_prefill else 0
+
+    def _kv_transfer_params(self, req: Request) -> dict[str, Any]:
+        """What vLLM's NixlConnector returns when a prefill leg finishes: where the decoder reads the
+        prompt's KV blocks (pinned here until read, or until the abort timeout)."""
+        host, port = self.address
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(range(1, req.prompt_len // BLOCK_SIZE + 1)),
+            "remote_engine_id": self.engine_id,
+            "remote_host": host,
+            "remote_port": port,
+            "tp_size": 1,
+            "remote_request_id": req.request_id,
+            "remote_num_tokens": req.prompt_len,
+        }
 
     # -- vLLM's other routes (shapes in vllm_sim.apis) -----------------------------------------------
     async def _run(
@@ -433,7 +480,9 @@ class Instance:
             raise protocol.ApiError(400, "The prompt does not fit in the KV cache.", "prompt")
         self._finish_metrics(req)
         usage = protocol.usage(req.prompt_len, len(words), req.cached_tokens or 0)
-        return _json(builder.full(tokenizer.decode_words(words), event.finish_reason, usage))
+        kv = builder.req.kv_transfer
+        params = self._kv_transfer_params(req) if kv is not None and kv.remote_decode else None
+        return _json(builder.full(tokenizer.decode_words(words), event.finish_reason, usage, params))
 
     async def _stream(
         self, request: web.Request, req: Request, queue: asyncio.Queue[Any], builder: protocol.ResponseBuilder

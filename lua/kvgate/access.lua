@@ -6,6 +6,7 @@ local auth     = require "kvgate.auth"
 local cjson    = require "cjson.safe"
 local conf     = require "kvgate.conf"
 local errors   = require "kvgate.errors"
+local disagg   = require "kvgate.disagg"
 local failopen = require "kvgate.failopen"
 local features = require "kvgate.features"
 local protocol = require "kvgate.protocol"
@@ -257,14 +258,33 @@ function _M.run()
         ngx.header["Retry-After"] = tostring(retry_after or 1)
         return errors.send(429, err, "RateLimitError", nil, code)
     end
+    local rewrite = false
     if decision and decision.priority and body.priority == nil then
         -- vLLM schedules by the body's priority: the gateway's (the key's class) goes with it.
         body.priority = decision.priority
+        rewrite = true
+    end
+    local route = decision and decision.route
+    local generates = ngx_var.uri == "/v1/chat/completions" or ngx_var.uri == "/v1/completions"
+    if decision and decision.prefill_addrs and #decision.addrs > 0 and not generates then
+        route = route .. "/colocated"   -- only generation has a prefill leg to split off
+    elseif decision and decision.prefill_addrs and #decision.addrs > 0 then
+        -- Disaggregated: the prefill leg runs now; the decoder gets what it handed over, or, when no
+        -- prefill backend could, the whole request (co-located).
+        local params = disagg.prefill(body, decision.prefill_ids, decision.prefill_addrs)
+        if params then
+            body.kv_transfer_params = params
+            rewrite = true
+        else
+            route = route .. "/colocated"
+        end
+    end
+    if rewrite then
         ngx.req.set_body_data(cjson.encode(body))
     end
     if decision and #decision.addrs > 0 then
         ctx.kv_id = id
-        ctx.kv_ids, ctx.kv_addrs, ctx.kv_route = decision.ids, decision.addrs, decision.route
+        ctx.kv_ids, ctx.kv_addrs, ctx.kv_route = decision.ids, decision.addrs, route
     else
         if not code and reply == nil then
             -- The sidecar may have made (and counted) the decision we did not wait for.

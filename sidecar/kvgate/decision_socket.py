@@ -96,7 +96,7 @@ class DecisionServer:
         return DecisionReply(
             routed.decision_id,
             routed.candidates,
-            routed.decision.label if routed.pool is None else f"{routed.decision.label}@{routed.pool}",
+            routed.label,
             routed.priority if forward else None,
             routed.prefill,
         )

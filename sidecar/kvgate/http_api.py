@@ -143,13 +143,15 @@ class HttpApi:
                 "reason": d.reason.value,
                 "session": d.session.value,
                 "rebind_cause": None if d.rebind_cause is None else d.rebind_cause.value,
-                "route": d.label,
+                "route": routed.label,
                 "key_source": f.key_source,
                 "estimated_prompt_tokens": int(f.prompt_bytes / self.service.tokens.ratio(f.model)),
                 "bytes_per_token": self.service.tokens.ratio(f.model),
                 "pool_rule": None if rule is None else dataclasses.asdict(rule),
                 "pool": routed.pool,
                 "priority": routed.priority,
+                "disaggregated": bool(routed.prefill),
+                "prefill_candidates": [c._asdict() for c in routed.prefill],
             }
         )
 

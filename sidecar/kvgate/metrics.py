@@ -100,6 +100,11 @@ class SidecarMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.pd_colocated = Counter(
+            "kvgate_pd_colocated",
+            "Requests for a disaggregated model served co-located: no prefill or no decode backend.",
+            registry=r,
+        )
         self.queue_rejected = Counter(
             "kvgate_queue_rejected",
             "Requests that left the gateway queue without a backend: full, timeout, abandoned.",

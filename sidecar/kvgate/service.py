@@ -61,6 +61,14 @@ class Routed:
     priority: int = 0  # the request's effective priority (the gateway queue's class)
     prefill: tuple[Candidate, ...] = ()  # disaggregated: where the prefill leg goes
 
+    @property
+    def label(self) -> str:
+        """``X-Kvgate-Route``: the policy's reason, ``pd/`` when disaggregated, ``@pool`` in a pool."""
+        label = self.decision.label
+        if self.prefill:
+            label = f"pd/{label}"
+        return label if self.pool is None or self.prefill else f"{label}@{self.pool}"
+
 
 @dataclass(frozen=True, slots=True)
 class Queued:
@@ -72,12 +80,15 @@ class Queued:
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """What a decision would be now, before anything is written."""
+    """What a decision would be now, before anything is written. Disaggregated, ``decision`` is the
+    prefill leg's (prefix affinity, sessions, the in-flight prefill count all live there) and
+    ``decode`` the decode leg's backends (by load)."""
 
     snap: Snapshot
     req: Request
     decision: Decision
     pool: str | None
+    decode: tuple[str, ...] = ()
 
 
 class DecisionService:
@@ -176,7 +187,19 @@ class DecisionService:
         return f if ratio == f.bytes_per_token else dataclasses.replace(f, bytes_per_token=ratio)
 
     async def _plan(self, f: Features, policy: PolicyName, seq: int, dry_run: bool) -> _Plan:
-        """The decision the policy makes now, in the request's pool (or the pool it spills to)."""
+        """The decision the policy makes now, in the request's pool (or the pool it spills to), or
+        disaggregated: the prefill leg by the policy among prefill backends, the decode leg to the
+        least loaded decode backends. With either side empty the request is served co-located."""
+        disagg = self.config.disaggregation
+        if disagg.applies(f.model):
+            prefill = self.registry.snapshot(f.model, pool=disagg.prefill_pool, label=disagg.label)
+            decode = self.registry.snapshot(f.model, pool=disagg.decode_pool, label=disagg.label)
+            if prefill.nodes and decode.nodes:
+                plan = await self._plan_in(f, policy, seq, dry_run, prefill, disagg.prefill_pool)
+                limit = self.config.routing.max_candidates
+                legs = decide(PolicyName.LEAST_LOAD, Request(f, seq), decode, limit).candidates
+                return dataclasses.replace(plan, decode=legs)
+            self.metrics.pd_colocated.inc()
         pool = None
         snap = self.registry.snapshot(f.model)
         pools = self.config.pools
@@ -184,6 +207,11 @@ class DecisionService:
             rule = pools.pick(f.model, f.est_tokens)
             if rule is not None:
                 pool, snap = self._pool_snapshot(f.model, rule.pool)
+        return await self._plan_in(f, policy, seq, dry_run, snap, pool)
+
+    async def _plan_in(
+        self, f: Features, policy: PolicyName, seq: int, dry_run: bool, snap: Snapshot, pool: str | None
+    ) -> _Plan:
         limit = self.config.routing.max_candidates
         depth: dict[str, int] = {}
         shared = 0
@@ -221,14 +249,20 @@ class DecisionService:
         return strict or not any(snap.has_room(n) for n in snap.nodes)
 
     def _routed(self, did: str, policy: PolicyName, plan: _Plan, priority: int) -> Routed:
-        return Routed(
-            did,
-            policy,
-            plan.decision,
-            tuple(Candidate(b, self.registry.address(b)) for b in plan.decision.candidates),
-            plan.pool,
-            priority,
-        )
+        def pairs(ids: tuple[str, ...]) -> tuple[Candidate, ...]:
+            return tuple(Candidate(b, self.registry.address(b)) for b in ids)
+
+        if plan.decode:  # disaggregated: Nginx runs the prefill leg, then proxies to a decoder
+            return Routed(
+                did,
+                policy,
+                plan.decision,
+                pairs(plan.decode),
+                plan.pool,
+                priority,
+                pairs(plan.decision.candidates),
+            )
+        return Routed(did, policy, plan.decision, pairs(plan.decision.candidates), plan.pool, priority)
 
     async def _commit(
         self, did: str, policy: PolicyName, f: Features, plan: _Plan, priority: int, t0: float
