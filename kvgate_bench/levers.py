@@ -34,13 +34,20 @@ class Lever:
     name: str
     policy: PolicyName
     extra: dict[str, Any] = field(default_factory=dict)
+    routing: dict[str, Any] = field(default_factory=dict)
     pools: bool = False  # backends split into a short and a long pool
     priority: bool = False  # one request in PRIORITY_EVERY asks for class -1
+    disagg: bool = False  # --prefill-backends of the backends prefill, the rest decode
 
 
 def queue(order: str, **more: Any) -> dict[str, Any]:
     return {"enabled": True, "order": order, "max_wait_ms": 600_000, **more}
 
+
+# With the gateway queue on, a backend counts as full sooner: little waits inside it, so the gateway
+# holds the backlog and chooses its order and its backend late.
+TIGHT = {"saturation_waiting": 1, "saturation_prefill_tokens": 8192}
+PRIORITY = {**NO_LEARN, "queue": queue("fcfs", client_priority=True, forward_priority=True)}
 
 LEVERS = {
     lv.name: lv
@@ -50,14 +57,13 @@ LEVERS = {
         Lever("+tokens", PolicyName.KVGATE),
         Lever("+queue", PolicyName.KVGATE, {**NO_LEARN, "queue": queue("fcfs")}),
         Lever("+queue-shortest", PolicyName.KVGATE, {**NO_LEARN, "queue": queue("shortest")}),
+        Lever("+queue-tight", PolicyName.KVGATE, {**NO_LEARN, "queue": queue("fcfs")}, TIGHT),
+        Lever("+queue-tight-shortest", PolicyName.KVGATE, {**NO_LEARN, "queue": queue("shortest")}, TIGHT),
         Lever("+pools", PolicyName.KVGATE, NO_LEARN, pools=True),
-        Lever(
-            "+queue-priority",
-            PolicyName.KVGATE,
-            {**NO_LEARN, "queue": queue("fcfs", client_priority=True)},
-            priority=True,
-        ),
-        Lever("all", PolicyName.KVGATE, {"queue": queue("shortest")}, pools=True),
+        Lever("+priority", PolicyName.KVGATE, PRIORITY, priority=True),
+        Lever("+priority-tight", PolicyName.KVGATE, PRIORITY, TIGHT, priority=True),
+        Lever("+pd", PolicyName.KVGATE, {**NO_LEARN, "disaggregation": {"models": ["*"]}}, disagg=True),
+        Lever("all", PolicyName.KVGATE, {"queue": queue("shortest")}, TIGHT),
     )
 }
 
@@ -76,6 +82,14 @@ def pool_setup(feats: Sequence[Features], backends: int) -> tuple[dict[str, Any]
     return {"pools": pools}, labels
 
 
+def mean(xs: Sequence[float]) -> float:
+    return sum(xs) / max(1, len(xs))
+
+
+def p90(sorted_xs: Sequence[float]) -> float:
+    return sorted_xs[min(len(sorted_xs) - 1, int(0.9 * len(sorted_xs)))] if sorted_xs else 0.0
+
+
 def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="kvgate-bench levers", description=__doc__)
     add_workload_args(p)
@@ -83,6 +97,7 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--speedups", type=float, nargs="+", default=[1.0, 3.0])
     p.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
     p.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
+    p.add_argument("--prefill-backends", type=int, default=None, help="+pd: prefill backends (a quarter)")
     p.add_argument("--out", default="bench-results/levers")
     args = p.parse_args(argv)
     reqs = build_workload(args)
@@ -98,6 +113,9 @@ def main(argv: Sequence[str]) -> int:
     ideal = sum(cached) / max(1, sum(r.prompt_tokens for r in reqs))
     zero_q = virtual.zero_queue_ttft(reqs, cached, profile)
     pools_extra, pool_labels = pool_setup(feats, args.backends)
+    prefillers = args.prefill_backends or max(1, args.backends // 4)
+    pd_labels = [{"role": "prefill" if i < prefillers else "decode"} for i in range(args.backends)]
+    zero_by_rid = {r.rid: z for r, z in zip(reqs, zero_q, strict=True)}
     rows: list[Summary] = []
     notes: list[str] = []
     for speedup in args.speedups:
@@ -105,6 +123,7 @@ def main(argv: Sequence[str]) -> int:
         for name in args.levers:
             lv = LEVERS[name]
             extra = {**lv.extra, **(pools_extra if lv.pools else {})}
+            labels = pool_labels if lv.pools else pd_labels if lv.disagg else None
             run = virtual.replay(
                 reqs,
                 with_priority if lv.priority else feats,
@@ -113,8 +132,9 @@ def main(argv: Sequence[str]) -> int:
                 profile,
                 speedup,
                 progress=Progress(f"{name} x{speedup:g}"),
+                routing=lv.routing,
                 extra=extra,
-                labels=pool_labels if lv.pools else None,
+                labels=labels,
             )
             row = virtual.summarize_run(
                 f"{name} x{speedup:g}", run, ideal, sum(zero_q) / len(zero_q), speedup
@@ -128,11 +148,12 @@ def main(argv: Sequence[str]) -> int:
                 f"hit {row.hit_rate:.1%} rejected {run.rejected}"
             )
             if lv.priority:
-                hi = [r.ttft for r in run.results if r.rid in urgent]
-                lo = [r.ttft for r in run.results if r.rid not in urgent]
+                hi = sorted(r.ttft for r in run.results if r.rid in urgent)
+                lo = sorted(r.ttft for r in run.results if r.rid not in urgent)
+                hi_zero = sorted(zero_by_rid[r.rid] for r in run.results if r.rid in urgent)
                 line += (
-                    f" | class -1 mean {sum(hi) / max(1, len(hi)):.3f}s, "
-                    f"class 0 mean {sum(lo) / max(1, len(lo)):.3f}s"
+                    f" | class -1: mean {mean(hi):.3f}s p90 {p90(hi):.3f}s (zero-queue p90 "
+                    f"{p90(hi_zero):.3f}s); class 0: mean {mean(lo):.3f}s p90 {p90(lo):.3f}s"
                 )
             print(line, file=sys.stderr)
             notes.append(line)

@@ -29,7 +29,7 @@ from kvgate.sidecar import build_sidecar
 
 from kvgate_bench.report import Sample, Summary, summarize
 from kvgate_bench.workloads import TRACE_BLOCK_TOKENS, BenchRequest
-from vllm_sim.engine import Engine, EngineConfig, Request, TokenEvent
+from vllm_sim.engine import Engine, EngineConfig, Request, SchedulingPolicy, TokenEvent
 from vllm_sim.kv_cache import BLOCK_SIZE, block_hashes
 from vllm_sim.profiles import Profile
 
@@ -113,7 +113,16 @@ def replay(
     models = frozenset({requests[0].model}) if requests else frozenset()
     for bid in registry.backends:
         registry.set_models(bid, models)
-    engines = [Engine(EngineConfig.from_profile(profile, seed=seed + i)) for i in range(backends)]
+    # Backends schedule by the priority the gateway forwards when it forwards one (vLLM started with
+    # --scheduling-policy priority); else first come, first served.
+    forward = cfg.queue.forward_priority
+    policy_of_engines = SchedulingPolicy.PRIORITY if forward else SchedulingPolicy.FCFS
+    engines = [
+        Engine(EngineConfig.from_profile(profile, seed=seed + i, policy=policy_of_engines))
+        for i in range(backends)
+    ]
+    transfer_tokens_per_s = 200_000.0  # vllm-sim's default KV transfer speed (disaggregation)
+    legs: dict[str, tuple[BenchRequest, Routed, float]] = {}  # prefill leg id -> its request
     ids = [f"sim-{i}" for i in range(backends)]
     busy = [False] * backends
     pending: list[list[TokenEvent]] = [[] for _ in range(backends)]
@@ -148,6 +157,24 @@ def replay(
             service.tokens.counted(ids[i], float(e.counters.prompt_tokens))
         registry.changed()
 
+    def decode_leg(ev: TokenEvent, t: float) -> None:
+        """A prefill leg ended: its backend is done with the prefill, the decoder reads the KV."""
+        r, routed, arrived = legs.pop(ev.request.request_id)
+        meta.pop(ev.request.request_id)
+        service.report([Outcome.first(routed.decision_id, routed.prefill[0].id)])
+        backend = routed.candidates[0].id
+        req = Request(
+            f"r{r.rid}",
+            r.prompt_ids(),
+            r.output_tokens,
+            arrived,
+            ignore_eos=True,
+            remote_tokens=r.prompt_tokens,
+        )
+        meta[req.request_id] = (r.rid, routed.decision_id, backend, routed.label)
+        delay = frontend + r.prompt_tokens / transfer_tokens_per_s
+        heapq.heappush(events, (t + delay, 2, next(seq), "enqueue", (ids.index(backend), req)))
+
     def finish(ev: TokenEvent) -> None:
         nonlocal done
         req = ev.request
@@ -177,13 +204,20 @@ def replay(
     waiting: dict[str, tuple[BenchRequest, float]] = {}  # decision id -> (request, arrival)
 
     def send(r: BenchRequest, routed: Routed, arrived: float, t: float) -> None:
-        primary = routed.decision.candidates[0]
-        i = ids.index(primary)
-        # The engine request keeps the client's arrival: a wait in the gateway queue counts in TTFT.
-        req = Request(f"r{r.rid}", r.prompt_ids(), r.output_tokens, arrived, ignore_eos=True)
-        meta[req.request_id] = (r.rid, routed.decision_id, primary, routed.decision.label)
-        awaiting_first.add(req.request_id)
-        heapq.heappush(events, (t + frontend, 2, next(seq), "enqueue", (i, req)))
+        priority = routed.priority if forward else 0
+        if routed.prefill:  # disaggregated: a one-token prefill leg first (decode_leg follows it)
+            backend = routed.prefill[0].id
+            req = Request(f"p{r.rid}", r.prompt_ids(), 1, arrived, ignore_eos=True, priority=priority)
+            legs[req.request_id] = (r, routed, arrived)
+        else:
+            backend = routed.candidates[0].id
+            # The engine request keeps the client's arrival: a wait in the gateway queue counts in TTFT.
+            req = Request(
+                f"r{r.rid}", r.prompt_ids(), r.output_tokens, arrived, ignore_eos=True, priority=priority
+            )
+            awaiting_first.add(req.request_id)
+        meta[req.request_id] = (r.rid, routed.decision_id, backend, routed.label)
+        heapq.heappush(events, (t + frontend, 2, next(seq), "enqueue", (ids.index(backend), req)))
 
     def release(t: float) -> None:
         """What Nginx would see when the gateway queue dispatches: each waiting request's answer."""
@@ -217,7 +251,7 @@ def replay(
             if isinstance(answer, Queued):
                 waiting[answer.decision_id] = (r, t)
                 continue
-            primary = answer.decision.candidates[0]
+            primary = answer.candidates[0].id
             if answer.decision.session is not SessionAction.KEEP and under and primary not in under:
                 run.bound_violations += 1
             send(r, answer, t, t)
@@ -236,7 +270,9 @@ def replay(
                     awaiting_first.discard(name)
                     _, decision, backend, _ = meta[name]
                     service.report([Outcome.first(decision, backend)])
-                if ev.finish_reason is not None:
+                if ev.finish_reason is not None and name in legs:
+                    decode_leg(ev, t)
+                elif ev.finish_reason is not None:
                     finish(ev)
             if pending[i]:
                 release(t)
