@@ -41,6 +41,7 @@ def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
                     profile,
                     speedup,
                     progress=Progress(f"{n} backends, {name}, x{speedup:g}"),
+                    extra=None if args.learn_tokens else {"tokens": {"learn": False}},
                 )
                 row = virtual.summarize_run(name, run, ideal, sum(zero_q) / len(zero_q), speedup)
                 rows.append(row)
@@ -98,6 +99,12 @@ def _main(argv: list[str]) -> int:
         "--policies", nargs="+", default=[p.value for p in PolicyName], choices=[p.value for p in PolicyName]
     )
     v.add_argument("--speedups", type=float, nargs="+", default=[1.0], help="arrival-rate multipliers")
+    v.add_argument(
+        "--fixed-tokens",
+        dest="learn_tokens",
+        action="store_false",
+        help="estimate 4 bytes per token instead of learning the ratio (results before the tokens setting)",
+    )
     v.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
     v.add_argument("--out", default="bench-results/virtual")
     live.add_parsers(sub)
