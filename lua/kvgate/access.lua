@@ -192,6 +192,9 @@ end
 -- same, and the response's id becomes a session), "response_id" (the id in the path is the session),
 -- "multipart" (the body is not read).
 function _M.run()
+    if conf.edge_access ~= "" then
+        require(conf.edge_access).access()   -- the edge's own checks first; it may end the request
+    end
     if not ngx_var.http_host then
         return errors.send(400, "The request has no Host header.")
     end

@@ -29,6 +29,9 @@ local _M = {
     limits = false,                             -- rate limits apply: read each response's usage
     queue = false,                              -- the gateway queue is on (the sidecar may queue)
     queue_heartbeat_ms = 500,                   -- a queued request hears from the sidecar this often
+    -- Drop-in: a Lua module of the edge whose access() runs first on kvgate's routes (a location's
+    -- access_by_lua replaces the server's, so the edge's own Lua checks are chained here).
+    edge_access = "",
 }
 
 -- Refuses unknown keys and values of the wrong type: a typo in nginx.conf fails at startup.

@@ -42,7 +42,12 @@ def cmd_render(args: argparse.Namespace) -> int:
         print(f"kvgate: invalid config: {exc}", file=sys.stderr)
         return 2
     settings = NginxSettings.from_config(
-        config, lua_dir=args.lua_dir, listen=args.listen, run_dir=args.run_dir
+        config,
+        lua_dir=args.lua_dir,
+        listen=args.listen,
+        run_dir=args.run_dir,
+        edge_lua=args.edge_lua,
+        catch_all=not args.no_v1_catch_all,
     )
     main = render(settings, Path(args.out), standalone=not args.drop_in, openresty=args.openresty or None)
     print(f"wrote {main.parent}/ ({'include files only' if args.drop_in else 'standalone nginx.conf'})")
@@ -105,6 +110,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--run-dir", default=str(RUN_DIR))
     r.add_argument("--drop-in", action="store_true", help="only the http{}/server{} include files")
     r.add_argument("--lua-dir", default=str(LUA_DIR), help="where Nginx will find lua/kvgate")
+    r.add_argument(
+        "--edge-lua",
+        action="store_true",
+        help="the edge has its own lua_package_path/init_by_lua: write kvgate-init.lua for it to call",
+    )
+    r.add_argument(
+        "--no-v1-catch-all",
+        action="store_true",
+        help="no `location /v1/` for other /v1/ routes (the edge has its own)",
+    )
     r.add_argument("--openresty", action="store_true", help="target OpenResty (no load_module lines)")
     r.set_defaults(func=cmd_render)
     h = sub.add_parser("hash-key", help="print the SHA-256 of an API key read from stdin, for auth.keys")

@@ -55,6 +55,11 @@ class NginxSettings:
     limits: bool = False  # rate limits apply
     queue: bool = False  # the gateway queue is on: a waiting request's client may go away
     queue_heartbeat_ms: int = 500
+    # Drop-in into an edge that has its own Lua setup: kvgate-http.conf leaves out lua_package_path,
+    # init_by_lua and init_worker_by_lua (one of each per http{}); the edge's own call kvgate's
+    # (kvgate-init.lua, and require("kvgate.gateway").init_worker()).
+    edge_lua: bool = False
+    edge_access: str = ""  # the edge's Lua module whose access() runs first on kvgate's routes
 
     @classmethod
     def from_config(cls, config: Config, **overrides: Any) -> NginxSettings:
@@ -75,8 +80,29 @@ class NginxSettings:
             "limits": config.limited,
             "queue": config.queue.enabled,
             "queue_heartbeat_ms": round(config.queue.heartbeat_s * 1000),
+            "edge_access": g.edge_access or "",
         }
         return cls(**{**values, **overrides})
+
+
+# Nginx's side settings, handed to lua/kvgate/conf.lua once per Nginx start.
+CONFIGURE = """require("kvgate.gateway").configure({{
+    socket = "unix:{socket}",
+    timeout_ms = {decision_timeout_ms},
+    session_header = "{session_header}",
+    route_headers = {route_headers},
+    max_tries = {max_tries},
+    max_body = "{client_max_body_size}",
+    connect_timeout_ms = {connect_timeout_ms},
+    first_byte_timeout_ms = {first_byte_timeout_ms},
+    token_timeout_ms = {token_timeout_ms},
+    max_read_timeout_ms = {max_read_timeout_ms},
+    auth = {auth},
+    limits = {limits},
+    queue = {queue},
+    queue_heartbeat_ms = {queue_heartbeat_ms},
+    edge_access = "{edge_access}",
+}})"""
 
 
 def find_nginx() -> str:
@@ -148,6 +174,25 @@ def render(
         "upstream_authorization": 'proxy_set_header Authorization "";' if settings.auth else "",
         "load_modules": "",
     }
+    configure = CONFIGURE.format(**values, edge_access=settings.edge_access)
+    lua_path = f'"{settings.lua_dir}/?.lua;;"'
+    if settings.edge_lua:
+        values["lua_package_path"] = (
+            "# lua_package_path, init_by_lua, init_worker_by_lua: the edge's own (edge_lua)"
+        )
+        values["init_by_lua"] = ""
+        values["init_worker_by_lua"] = ""
+        (out_dir / "kvgate-init.lua").write_text(
+            "-- kvgate, for an edge with its own Lua setup: run from the edge's init_by_lua*\n"
+            f'--   dofile("{out_dir.absolute()}/kvgate-init.lua")\n'
+            '-- and call require("kvgate.gateway").init_worker() from its init_worker_by_lua*.\n'
+            f'package.path = "{settings.lua_dir}/?.lua;" .. package.path\n'
+            f"{configure}\n"
+        )
+    else:
+        values["lua_package_path"] = f"lua_package_path {lua_path};"
+        values["init_by_lua"] = "init_by_lua_block {\n    " + configure.replace("\n", "\n    ") + "\n}"
+        values["init_worker_by_lua"] = 'init_worker_by_lua_block { require("kvgate.gateway").init_worker() }'
     # Other /v1/ routes go to a backend serving the model; a drop-in into an edge that has its own
     # `location /v1/` leaves that one alone (catch_all False).
     values["v1_catch_all"] = (

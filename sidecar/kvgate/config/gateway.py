@@ -25,6 +25,9 @@ class GatewayConfig:
     # When Nginx starts as root, its workers run as this user (and the socket group's members): never
     # root. None: nobody.
     worker_user: str | None = None
+    # A Lua module of the edge's whose access() kvgate's routes call first (drop-in: a location's own
+    # access_by_lua replaces the server's, so the edge's Lua checks must be chained explicitly).
+    edge_access: str | None = None
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> GatewayConfig:
@@ -40,6 +43,7 @@ class GatewayConfig:
                 "max_read_timeout_ms",
                 "client_max_body_size",
                 "worker_user",
+                "edge_access",
             },
         )
         headers = d.get("route_headers", True)
@@ -49,6 +53,11 @@ class GatewayConfig:
         if not re.fullmatch(r"[0-9]+[kKmMgG]?", size):
             raise ConfigError(f"{w}.client_max_body_size: {size!r} is not an Nginx size like 16m or 512k")
         user = d.get("worker_user")
+        edge = d.get("edge_access")
+        if edge is not None and not (
+            isinstance(edge, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", edge)
+        ):
+            raise ConfigError(f"{w}.edge_access: expected a Lua module name like edge.auth, got {edge!r}")
         return cls(
             route_headers=headers,
             decision_timeout_ms=integer(d, w, "decision_timeout_ms", 50, 1, 10_000),
@@ -57,4 +66,5 @@ class GatewayConfig:
             max_read_timeout_ms=integer(d, w, "max_read_timeout_ms", 600_000, 100, 86_400_000),
             client_max_body_size=size,
             worker_user=None if user is None else str(user),
+            edge_access=edge,
         )
