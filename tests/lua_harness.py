@@ -116,6 +116,27 @@ def _modules(nginx: str) -> str:
     return "\n".join(f"load_module {m};" for m in DEBIAN_MODULES if Path(m).exists())
 
 
+def main_conf_head(run: Path, workers: int = 1) -> str:
+    """The start of a test nginx.conf under ``run`` (its own pid, logs and temp dirs), up to the
+    inside of ``http {``; the caller writes the rest and closes it."""
+    for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (run / "tmp" / sub).mkdir(parents=True, exist_ok=True)
+    return f"""{_modules(find_nginx())}
+{user_directive()}
+worker_processes {workers};
+daemon off;
+pid {run}/nginx.pid;
+error_log {run}/error.log info;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+    client_body_temp_path {run}/tmp/body;
+    proxy_temp_path {run}/tmp/proxy;
+    fastcgi_temp_path {run}/tmp/fastcgi;
+    uwsgi_temp_path {run}/tmp/uwsgi;
+    scgi_temp_path {run}/tmp/scgi;"""
+
+
 class PhaseNginx:
     """Nginx with kvgate's include files and the test's own server blocks (``servers``)."""
 
@@ -142,20 +163,7 @@ class PhaseNginx:
         nginx = find_nginx()
         main = conf_dir / "nginx.conf"
         main.write_text(
-            f"""{_modules(nginx)}
-{user_directive()}
-worker_processes {workers};
-daemon off;
-pid {run}/nginx.pid;
-error_log {self.error_log} info;
-events {{ worker_connections 256; }}
-http {{
-    access_log off;
-    client_body_temp_path {run}/tmp/body;
-    proxy_temp_path {run}/tmp/proxy;
-    fastcgi_temp_path {run}/tmp/fastcgi;
-    uwsgi_temp_path {run}/tmp/uwsgi;
-    scgi_temp_path {run}/tmp/scgi;
+            f"""{main_conf_head(run, workers)}
     include {conf_dir}/kvgate-http.conf;
     server {{
         listen 127.0.0.1:{self.port};

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvgate.nginx_conf import NginxSettings, find_nginx, render, user_directive
+from kvgate.nginx_conf import NginxSettings, find_nginx, render
 from kvgate.tools.launcher import Supervisor, free_port, wait_listening, wait_ready
 
-from tests.lua_harness import MockSidecar, _modules, backend_server
+from tests.lua_harness import MockSidecar, backend_server, main_conf_head
 
 pytestmark = pytest.mark.e2e
 CHAT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -37,8 +37,6 @@ class Edge:
     def __init__(self, sup: Supervisor) -> None:
         run = sup.run_dir / "edge"
         (run / "lua" / "edge").mkdir(parents=True)
-        for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (run / "tmp" / sub).mkdir(parents=True, exist_ok=True)
         (run / "lua" / "edge" / "auth.lua").write_text(EDGE_AUTH)
         (run / "htpasswd").write_text("alice:{PLAIN}wonder\n")
         backend = free_port()
@@ -62,20 +60,7 @@ class Edge:
         )
         main = run / "nginx.conf"
         main.write_text(
-            f"""{_modules(find_nginx())}
-{user_directive()}
-worker_processes 1;
-daemon off;
-pid {run}/nginx.pid;
-error_log {run}/error.log info;
-events {{ worker_connections 128; }}
-http {{
-    access_log off;
-    client_body_temp_path {run}/tmp/body;
-    proxy_temp_path {run}/tmp/proxy;
-    fastcgi_temp_path {run}/tmp/fastcgi;
-    uwsgi_temp_path {run}/tmp/uwsgi;
-    scgi_temp_path {run}/tmp/scgi;
+            f"""{main_conf_head(run)}
     client_max_body_size 1k;                        # the edge's own limit
     lua_package_path "{run}/lua/?.lua;;";            # the edge's own Lua setup
     init_by_lua_block {{ dofile("{conf}/kvgate-init.lua") }}

@@ -288,26 +288,32 @@ class Instance:
         await asyncio.sleep(loop.to_wall(cfg.profile.frontend_s))
         req = Request(request_id, prompt_ids, max_tokens, arrival, ignore_eos=ignore_eos)
         queue = loop.submit(req)
-        words: list[str] = []
-        last: float | None = None
         try:
-            while True:
-                event = await queue.get()
-                if event.word is not None:
-                    self._observe_token(req, req.last_token_time or 0.0, last)
-                    last = req.last_token_time
-                    words.append(event.word)
-                if event.finish_reason is not None:
-                    break
+            words, reason = await self._drain(req, queue, "input")
         finally:
             if req.finish_reason is None:
                 loop.abort(req.request_id)
+        return req, words, reason
+
+    async def _drain(self, req: Request, queue: asyncio.Queue[Any], param: str) -> tuple[list[str], str]:
+        """A non-streaming request's words and finish reason, its metrics recorded; an engine failure
+        is vLLM's error (``param`` names the field a prompt too large for the cache came in)."""
+        words: list[str] = []
+        last: float | None = None
+        while True:
+            event = await queue.get()
+            if event.word is not None:
+                self._observe_token(req, req.last_token_time or 0.0, last)
+                last = req.last_token_time
+                words.append(event.word)
+            if event.finish_reason is not None:
+                break
         if event.finish_reason == INTERNAL_ERROR:
             raise protocol.ApiError(500, "The engine failed while running this request.")
         if event.finish_reason == "error":
-            raise protocol.ApiError(400, "The prompt does not fit in the KV cache.", "input")
+            raise protocol.ApiError(400, "The prompt does not fit in the KV cache.", param)
         self._finish_metrics(req)
-        return req, words, event.finish_reason
+        return words, event.finish_reason
 
     async def render_chat(self, request: web.Request) -> web.Response:
         body = await self._read_json(request)
@@ -464,25 +470,11 @@ class Instance:
     async def _collect(
         self, req: Request, queue: asyncio.Queue[Any], builder: protocol.ResponseBuilder
     ) -> web.Response:
-        words: list[str] = []
-        last: float | None = None
-        while True:
-            event = await queue.get()
-            if event.word is not None:
-                self._observe_token(req, req.last_token_time or 0.0, last)
-                last = req.last_token_time
-                words.append(event.word)
-            if event.finish_reason is not None:
-                break
-        if event.finish_reason == INTERNAL_ERROR:
-            raise protocol.ApiError(500, "The engine failed while running this request.")
-        if event.finish_reason == "error":
-            raise protocol.ApiError(400, "The prompt does not fit in the KV cache.", "prompt")
-        self._finish_metrics(req)
+        words, reason = await self._drain(req, queue, "prompt")
         usage = protocol.usage(req.prompt_len, len(words), req.cached_tokens or 0)
         kv = builder.req.kv_transfer
         params = self._kv_transfer_params(req) if kv is not None and kv.remote_decode else None
-        return _json(builder.full(tokenizer.decode_words(words), event.finish_reason, usage, params))
+        return _json(builder.full(tokenizer.decode_words(words), reason, usage, params))
 
     async def _stream(
         self, request: web.Request, req: Request, queue: asyncio.Queue[Any], builder: protocol.ResponseBuilder
