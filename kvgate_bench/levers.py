@@ -26,7 +26,7 @@ from kvgate_bench.workloads import add_workload_args, build_workload
 from vllm_sim.profiles import PROFILES, get_profile
 
 NO_LEARN = {"tokens": {"learn": False}}  # the fixed 4 bytes per token kvgate used before calibration
-PRIORITY_EVERY = 5  # priority lever: one request in this many is interactive (class -1)
+PRIORITY_EVERY = 10  # priority lever: one request in this many (10 %) is interactive (class -1)
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,12 @@ LEVERS = {
         Lever("+queue-shortest", PolicyName.KVGATE, {**NO_LEARN, "queue": queue("shortest")}),
         Lever("+queue-tight", PolicyName.KVGATE, {**NO_LEARN, "queue": queue("fcfs")}, TIGHT),
         Lever("+queue-tight-shortest", PolicyName.KVGATE, {**NO_LEARN, "queue": queue("shortest")}, TIGHT),
+        Lever(
+            "+queue-tight-shortest-ageing-120s",
+            PolicyName.KVGATE,
+            {**NO_LEARN, "queue": queue("shortest", ageing_ms=120_000)},
+            TIGHT,
+        ),
         Lever("+pools", PolicyName.KVGATE, NO_LEARN, pools=True),
         Lever("+priority", PolicyName.KVGATE, PRIORITY, priority=True),
         Lever("+priority-tight", PolicyName.KVGATE, PRIORITY, TIGHT, priority=True),
