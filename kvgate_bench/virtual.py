@@ -84,6 +84,7 @@ def replay(
     profile: Profile,
     speedup: float = 1.0,
     scrape_interval: float = 0.5,
+    report_delay: float = 0.0,
     seed: int = 0,
     load_factor: float = 1.25,
     progress: Callable[[int, int], None] | None = None,
@@ -107,6 +108,15 @@ def replay(
     core = build_sidecar(cfg, None)
     registry, service = core.registry, core.service
     clock = [0.0]  # virtual time, for the gateway queue's waits
+
+    def tell(outcome: Outcome) -> None:
+        """An outcome reaches the sidecar: at once, or ``report_delay`` later (Nginx batches its
+        reports and flushes them every 100 ms)."""
+        if report_delay <= 0:
+            service.report([outcome])
+        else:
+            heapq.heappush(events, (clock[0] + report_delay, 0, next(seq), "report", outcome))
+
     if service.queue is not None:
         service.queue.clock = lambda: clock[0]
     registry.set_membership((b, False) for b in cfg.backends)
@@ -161,7 +171,7 @@ def replay(
         """A prefill leg ended: its backend is done with the prefill, the decoder reads the KV."""
         r, routed, arrived = legs.pop(ev.request.request_id)
         meta.pop(ev.request.request_id)
-        service.report([Outcome.first(routed.decision_id, routed.prefill[0].id)])
+        tell(Outcome.first(routed.decision_id, routed.prefill[0].id))
         backend = routed.candidates[0].id
         req = Request(
             f"r{r.rid}",
@@ -196,7 +206,7 @@ def replay(
                 reason,
             )
         )
-        service.report([Outcome.end(decision, backend, 200, True, first - req.arrival, end - req.arrival)])
+        tell(Outcome.end(decision, backend, 200, True, first - req.arrival, end - req.arrival))
         done += 1
         if progress is not None and (done % 200 == 0 or done == len(requests)):
             progress(done, len(requests))
@@ -269,7 +279,7 @@ def replay(
                     # What Nginx's body filter reports when the stream's first byte passes.
                     awaiting_first.discard(name)
                     _, decision, backend, _ = meta[name]
-                    service.report([Outcome.first(decision, backend)])
+                    tell(Outcome.first(decision, backend))
                 if ev.finish_reason is not None and name in legs:
                     decode_leg(ev, t)
                 elif ev.finish_reason is not None:
@@ -283,6 +293,9 @@ def replay(
                 continue
             pending[i] = result.events
             heapq.heappush(events, (result.end, 3, next(seq), "step", i))
+        elif kind == "report":
+            service.report([payload])
+            release(t)
         elif kind == "scrape":
             scrape()
             release(t)
