@@ -27,8 +27,10 @@ class QueueConfig:
     max_wait_s: float = 60.0  # a request that waited this long gets 429
     order: DispatchOrder = DispatchOrder.FCFS
     # shortest-first: a request that has waited this long goes ahead of every younger one, so no
-    # long prompt waits more than this behind shorter ones that keep arriving.
-    ageing_s: float = 10.0
+    # long prompt waits more than this behind shorter ones that keep arriving. 60 s measured best
+    # on the trace at 3x overload (mean 0.34x round robin with p99 below round robin's; 10 s turns
+    # into FCFS there, 120 s doubles the longest prompts' p99).
+    ageing_s: float = 60.0
     client_priority: bool = False  # honour priorities clients send (body ``priority``, X-Priority)
     # Write the request's priority into its body for vLLM (backends run --scheduling-policy
     # priority; others refuse a non-zero priority).
@@ -63,7 +65,7 @@ class QueueConfig:
             max_size=integer(d, w, "max_size", 1000, 1, 1_000_000),
             max_wait_s=ms(d, w, "max_wait_ms", 60_000, 10, 3_600_000),
             order=dispatch,
-            ageing_s=ms(d, w, "ageing_ms", 10_000, 1, 3_600_000),
+            ageing_s=ms(d, w, "ageing_ms", 60_000, 1, 3_600_000),
             client_priority=boolean(d, w, "client_priority", False),
             forward_priority=boolean(d, w, "forward_priority", False),
             heartbeat_s=ms(d, w, "heartbeat_ms", 500, 50, 10_000),
