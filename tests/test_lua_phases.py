@@ -170,6 +170,28 @@ def test_stream_ttft_is_the_first_body_byte_not_the_headers(phase: Phase) -> Non
     assert {"k": "first", "i": did, "b": "stream"} in phase.sidecar.outcomes()
 
 
+def test_a_client_gone_while_the_decision_is_asked_for_ends_it_as_dropped(phase: Phase) -> None:
+    """Nginx ends a request whose client left while its Lua waited (lua_check_client_abort): the
+    decision the sidecar is making must still end, or its count stays up until it expires."""
+    import socket
+
+    phase.route("ok-a")
+    phase.sidecar.delay_s = 0.04  # within the 50 ms budget: the answer comes after the client left
+    body = json.dumps(CHAT).encode()
+    with socket.create_connection(("127.0.0.1", phase.nginx.port), timeout=5) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_until(lambda: bool(phase.sidecar.decides()), timeout=2, every=0.002)
+    did = phase.sidecar.decides()[-1]["i"]
+    wait_until(
+        lambda: any(o.get("i") == did and o["k"] in ("drop", "end") for o in phase.sidecar.outcomes()),
+        timeout=2,
+    )
+
+
 def test_a_stream_retried_after_a_failed_candidate_is_not_taken_for_cut(phase: Phase) -> None:
     """After a retry $upstream_response_time reads "0.001, -": the stream's flushes while the second
     try runs are not the end of a cut stream."""

@@ -230,15 +230,14 @@ function _M.run()
     f.priority = client_priority(body)
     local ctx = ngx.ctx
     local id = next_id()
-    -- A client that goes away while its request waits in the gateway queue takes it out (with
-    -- lua_check_client_abort on; without it the request waits its turn, then ends as a 499).
-    if conf.queue then
-        ngx.on_abort(function()
-            reports.push(protocol.drop(id))
-            reports.flush_now()
-            return ngx.exit(499)
-        end)
-    end
+    -- A client that goes away while this handler waits (for the sidecar's decision, its place in the
+    -- gateway queue, a prefill leg) ends the request (lua_check_client_abort): the decision the
+    -- sidecar made or is making ends as dropped, and a waiting request leaves the queue at once.
+    ngx.on_abort(function()
+        reports.push(protocol.drop(id))
+        reports.flush_now()
+        return ngx.exit(499)
+    end)
     -- Reading and decoding a large body leaves Nginx's cached clock behind; the decision's budget
     -- must start now, not when the request arrived.
     ngx.update_time()
