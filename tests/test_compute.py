@@ -160,3 +160,21 @@ def test_a_request_that_waits_too_long_or_whose_client_left_leaves_the_queue_unr
         assert sorted(sc.registry.inflight_tokens.values()) == [2000, 2000]  # only the two that ran
 
     asyncio.run(scenario())
+
+
+def test_a_dropped_waiting_request_ends_its_connections_wait() -> None:
+    """Live, a queued request's socket connection awaits its future: a drop report (the client left)
+    cancels it, so the connection closes instead of sending heartbeats until it notices."""
+
+    async def scenario() -> None:
+        sc = service(queue={"enabled": True})
+        svc = sc.service
+        svc._wake = asyncio.Event()  # as dispatch_loop sets it: decisions get live futures
+        for i in range(2):
+            assert isinstance(await svc.decide(feats(8000, f"busy{i}"), f"busy{i}"), Routed)
+        queued = await svc.decide(feats(8000, "w"), "w")
+        assert isinstance(queued, Queued) and queued.waiting.future is not None
+        svc.report([Outcome.drop("w")])
+        assert queued.waiting.future.cancelled() and len(svc.queue or ()) == 0
+
+    asyncio.run(scenario())

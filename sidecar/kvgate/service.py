@@ -349,10 +349,15 @@ class DecisionService:
 
     def abandon(self, decision_id: str) -> None:
         """A waiting request's client or connection went away: it leaves the queue unrouted."""
-        if self.queue is not None and self.queue.remove(decision_id) is not None:
-            self._unadmit(decision_id)
-            self.metrics.queue_rejected.labels("abandoned").inc()
-            self.metrics.queue_depth.set(len(self.queue))
+        queue = self.queue
+        waiting = queue.remove(decision_id) if queue is not None else None
+        if queue is None or waiting is None:
+            return
+        if waiting.future is not None and not waiting.future.done():
+            waiting.future.cancel()  # its connection's wait ends (decision_socket closes it)
+        self._unadmit(decision_id)
+        self.metrics.queue_rejected.labels("abandoned").inc()
+        self.metrics.queue_depth.set(len(queue))
 
     def _unadmit(self, did: str) -> None:
         """A request that never ran gives its admitted tokens back."""
