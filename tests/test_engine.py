@@ -94,6 +94,19 @@ def test_priority_policy_serves_lower_priority_value_first() -> None:
     assert high.first_token_time < low.first_token_time
 
 
+def test_priority_policy_preempts_the_lowest_priority_when_blocks_run_out() -> None:
+    """vLLM V1 under --scheduling-policy priority: out of KV blocks, the running request with the
+    largest (priority, arrival) is preempted, not the most recently admitted one."""
+    e = engine(num_gpu_blocks=40, policy=SchedulingPolicy.PRIORITY)  # 624 tokens of KV
+    low = Request("low", prompt(30, 200), 120, 0.0, ignore_eos=True, priority=5)
+    mid = Request("mid", prompt(31, 200), 120, 0.0, ignore_eos=True, priority=0)
+    high = Request("high", prompt(32, 200), 120, 0.0, ignore_eos=True, priority=-1)
+    run_to_completion(e, [low, mid, high])  # admitted in that order; high arrives last
+    assert e.counters.preemptions > 0
+    assert high.num_preemptions == 0 and low.num_preemptions > 0
+    assert all(r.finish_reason == "length" for r in (low, mid, high))
+
+
 def test_max_num_seqs_limits_the_running_batch() -> None:
     e = engine(max_num_seqs=4)
     reqs = [Request(str(i), prompt(i, 30), 10, 0.0, ignore_eos=True) for i in range(10)]
