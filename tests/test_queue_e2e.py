@@ -114,3 +114,17 @@ def test_a_sidecar_killed_while_requests_wait_never_strands_them(stack: Supervis
     runner.join(60)
     assert all(isinstance(r, str) and r for r in results), results
     assert time.monotonic() - t0 < 20
+
+
+def test_the_clients_priority_is_forwarded_to_the_backend(stack: Supervisor) -> None:
+    """client_priority + forward_priority: X-Priority reaches vLLM as the body's priority. These
+    simulated backends run vLLM's default FCFS scheduler, which refuses a non-zero priority by name,
+    so the refusal shows the value that arrived (and why forwarding is opt-in)."""
+    gw = gateway(stack, client_priority=True, forward_priority=True)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    status, answer = http_json("POST", gw.url + "/v1/chat/completions", body, {"X-Priority": "3"})
+    assert status == 400 and "Got priority 3" in answer["error"]["message"]
+    status, _ = http_json("POST", gw.url + "/v1/chat/completions", body, {"X-Priority": "0"})
+    assert status == 200  # class 0 is vLLM's default: nothing to forward
+    status, _ = http_json("POST", gw.url + "/v1/chat/completions", body)
+    assert status == 200
