@@ -23,6 +23,65 @@ vllm:gpu_prefix_cache_hits_total{model_name="m"} 5
 """
 
 
+# SGLang with --enable-metrics, in the shape of its production-metrics documentation.
+SGLANG = """# HELP sglang:prompt_tokens_total Number of prefill tokens processed.
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{model_name="meta-llama/Llama-3.1-8B-Instruct"} 8.128902e+06
+# HELP sglang:token_usage The token usage
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.28
+# HELP sglang:cache_hit_rate The cache hit rate
+# TYPE sglang:cache_hit_rate gauge
+sglang:cache_hit_rate{model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0075
+sglang:time_to_first_token_seconds_bucket{le="0.04",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.0
+# HELP sglang:num_running_reqs The number of running requests
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="meta-llama/Llama-3.1-8B-Instruct"} 162.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="meta-llama/Llama-3.1-8B-Instruct"} 2826.0
+"""
+
+
+def test_reads_sglangs_names() -> None:
+    s = parse_metrics(SGLANG, 1.0)
+    assert (s.running, s.waiting, s.kv_usage, s.prompt_tokens) == (162, 2826, 0.28, 8.128902e6)
+    assert s.prefix_queries is None and s.prefix_hits is None  # SGLang exposes no such counters
+
+
+def test_a_backend_without_metrics_is_scraped_for_health_only() -> None:
+    """metrics: none: any OpenAI-compatible server with a /health is routable, its load the
+    sidecar's own in-flight counts; with metrics expected, the same server fails its scrape."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+    from kvgate.scraper import scrape
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as session:
+                got = await scrape(session, f"http://127.0.0.1:{port}", 1.0, "none")
+                assert (got.running, got.waiting, got.kv_usage) == (0.0, 0.0, None)
+                with pytest.raises(ScrapeError, match="/metrics answered 404"):
+                    await scrape(session, f"http://127.0.0.1:{port}", 1.0, "auto")
+            await asyncio.sleep(0.05)  # the closed session's connections finish closing in this loop
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
 def test_reads_new_names_first_whatever_the_label_order() -> None:
     s = parse_metrics(NEW, 1.0)
     assert (s.running, s.waiting, s.kv_usage, s.prefix_queries, s.prefix_hits) == (3, 2, 0.5, 100, 40)

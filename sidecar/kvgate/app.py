@@ -77,10 +77,10 @@ async def _scrape_round(
 ) -> None:
     sc = config.scrape
 
-    async def one(bid: str, url: str, want_models: bool) -> None:
+    async def one(bid: str, url: str, mode: str, want_models: bool) -> None:
         t0 = time.perf_counter()
         try:
-            scraped = await scrape(session, url, sc.timeout_s)
+            scraped = await scrape(session, url, sc.timeout_s, mode)
             if want_models:
                 registry.set_models(bid, await served_models(session, url, sc.timeout_s))
         except ScrapeError as exc:
@@ -93,7 +93,7 @@ async def _scrape_round(
             tokens.counted(bid, scraped.prompt_tokens)
 
     jobs = [
-        one(bid, s.spec.url, n % MODELS_EVERY == 0 or not s.models)
+        one(bid, s.spec.url, s.spec.metrics, n % MODELS_EVERY == 0 or not s.models)
         for bid, s in list(registry.backends.items())
     ]
     await asyncio.gather(*jobs)

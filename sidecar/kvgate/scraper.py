@@ -1,4 +1,5 @@
-"""Reads a vLLM backend's load from its Prometheus ``/metrics``, its health and its served models.
+"""Reads a backend's load from its Prometheus ``/metrics`` (vLLM's names, or SGLang's), its health and
+its served models.
 
 A vLLM exposition is hundreds of lines, almost all histogram buckets, and the sidecar reads five
 series of it. prometheus_client's parser builds every family of it; measured under load it took over
@@ -20,13 +21,15 @@ import aiohttp
 
 from kvgate.load import Scraped
 
+# vLLM's names first, then SGLang's (--enable-metrics): running and queued requests, KV token usage
+# (0..1) and prompt tokens. SGLang has no prefix-cache counters (only a hit-rate gauge).
 _NAMES = {
-    "running": ("vllm:num_requests_running",),
-    "waiting": ("vllm:num_requests_waiting",),
-    "kv": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "running": ("vllm:num_requests_running", "sglang:num_running_reqs"),
+    "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
+    "kv": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"),
     "queries": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
     "hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
-    "prompt_tokens": ("vllm:prompt_tokens",),
+    "prompt_tokens": ("vllm:prompt_tokens", "sglang:prompt_tokens"),
 }
 
 
@@ -97,7 +100,10 @@ def parse_metrics(text: str, at: float) -> Scraped:
 
     running, waiting = first("running"), first("waiting")
     if running is None and waiting is None:
-        raise ScrapeError("no vllm:num_requests_running or vllm:num_requests_waiting in /metrics")
+        raise ScrapeError(
+            "no request gauges in /metrics (vllm:num_requests_running/_waiting, sglang:num_running_reqs/"
+            "num_queue_reqs); a backend without them needs metrics: none"
+        )
     kv = first("kv")
     return Scraped(
         running=running or 0.0,
@@ -110,8 +116,11 @@ def parse_metrics(text: str, at: float) -> Scraped:
     )
 
 
-async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float) -> Scraped:
-    """One concurrent /metrics + /health probe within ``timeout_s``."""
+async def scrape(
+    session: aiohttp.ClientSession, url: str, timeout_s: float, metrics: str = "auto"
+) -> Scraped:
+    """One concurrent /metrics + /health probe within ``timeout_s``. ``metrics: none``: /health only,
+    and a load of zero requests, so the policies see kvgate's own in-flight counts."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def get_metrics() -> str:
@@ -126,6 +135,9 @@ async def scrape(session: aiohttp.ClientSession, url: str, timeout_s: float) -> 
                 raise ScrapeError(f"/health answered {resp.status}")
 
     try:
+        if metrics == "none":
+            await get_health()
+            return Scraped(0.0, 0.0, None, None, None, time.monotonic())
         text, _ = await asyncio.gather(get_metrics(), get_health())
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise ScrapeError(f"{type(exc).__name__}: {exc}") from None

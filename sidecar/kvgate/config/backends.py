@@ -14,6 +14,7 @@ from kvgate.config.parse import ConfigError, check_keys, num
 # Backend ids appear in response headers, metric labels, Redis and the prefix index: visible ASCII
 # only, no spaces or control characters.
 BACKEND_ID = re.compile(r"[A-Za-z0-9._:@/+\-\[\]]{1,128}")
+METRICS_MODES = ("auto", "vllm", "sglang", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,9 @@ class BackendSpec:
     url: str
     weight: float = 1.0
     labels: Mapping[str, str] = field(default_factory=dict)
+    # Which metrics the backend exposes: vllm or sglang names (auto: either), or none (any
+    # OpenAI-compatible server: health from /health, load from kvgate's own in-flight counts).
+    metrics: str = "auto"
 
     @property
     def address(self) -> str:
@@ -34,7 +38,7 @@ class BackendSpec:
     def from_mapping(cls, data: Mapping[str, Any], where: str) -> BackendSpec:
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where}: expected a mapping with at least 'url'")
-        check_keys(data, where, {"id", "url", "weight", "labels"})
+        check_keys(data, where, {"id", "url", "weight", "labels", "metrics"})
         url = data.get("url")
         if not isinstance(url, str):
             raise ConfigError(f"{where}.url: required, e.g. url: http://10.0.0.5:8000")
@@ -50,11 +54,15 @@ class BackendSpec:
         labels = data.get("labels") or {}
         if not isinstance(labels, Mapping):
             raise ConfigError(f"{where}.labels: expected a mapping of label: value")
+        metrics = data.get("metrics", "auto")
+        if metrics not in METRICS_MODES:
+            raise ConfigError(f"{where}.metrics: {metrics!r}; choose one of {', '.join(METRICS_MODES)}")
         return cls(
             id=bid,
             url=url.rstrip("/"),
             weight=num(data, where, "weight", 1.0, 0.01, 1000.0),
             labels={str(k): str(v) for k, v in labels.items()},
+            metrics=metrics,
         )
 
 
