@@ -65,3 +65,15 @@ def test_backend_ids_are_visible_ascii(bid: str) -> None:
     """Ids name backends in response headers and metric labels, and key the prefix index."""
     with pytest.raises(ConfigError, match="id"):
         Config.from_mapping({"backends": [{"id": bid, "url": "http://127.0.0.1:8000"}]}, {})
+
+
+def test_a_misspelt_environment_override_is_an_error_not_ignored() -> None:
+    with pytest.raises(ConfigError, match="KVGATE_REDIS_ULR"):
+        Config.from_mapping(BASE, env={"KVGATE_REDIS_ULR": "redis://x"})
+
+
+def test_a_backends_metrics_mode_is_checked() -> None:
+    c = Config.from_mapping({"backends": [{"url": "http://10.0.0.1:8000", "metrics": "none"}]}, env={})
+    assert c.backends[0].metrics == "none"
+    with pytest.raises(ConfigError, match="metrics"):
+        Config.from_mapping({"backends": [{"url": "http://10.0.0.1:8000", "metrics": "tgi"}]}, env={})

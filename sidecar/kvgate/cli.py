@@ -79,12 +79,22 @@ def cmd_down(args: argparse.Namespace) -> int:
     return down(args)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvgate")
+    except PackageNotFoundError:  # run from a checkout without installing
+        return "unknown"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         # The benchmark is a separate tool with its own dependencies: run it, do not import it.
         os.execv(sys.executable, [sys.executable, "-m", "kvgate_bench", *argv[1:]])
     p = argparse.ArgumentParser(prog="kvgate", description="Prefix-cache-aware gateway for vLLM fleets.")
+    p.add_argument("--version", action="version", version=f"kvgate {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("sidecar", help="run the routing sidecar")
     s.add_argument("--config", required=True)

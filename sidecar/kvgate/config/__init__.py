@@ -160,6 +160,12 @@ _VERBATIM = {"KVGATE_ADMIN_TOKEN", "KVGATE_REDIS_PASSWORD", "KVGATE_REDIS_USERNA
 
 
 def _apply_env(data: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    unknown = sorted(k for k in env if k.startswith("KVGATE_") and k not in _ENV_KEYS)
+    if unknown:
+        # A misspelt override would otherwise be ignored without a word.
+        raise ConfigError(
+            f"unknown environment variable(s) {', '.join(unknown)}; known: {', '.join(_ENV_KEYS)}"
+        )
     out: dict[str, Any] = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
     for var, (where, key) in _ENV_KEYS.items():
         if var in env:
