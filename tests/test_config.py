@@ -49,7 +49,7 @@ def test_environment_overrides_the_file() -> None:
 )
 def test_bad_values_are_named_with_a_fix(data: dict[str, object], needle: str) -> None:
     with pytest.raises(ConfigError) as err:
-        Config.from_mapping(data)
+        Config.from_mapping({**BASE, **data})
     assert needle in str(err.value)
 
 
@@ -77,3 +77,9 @@ def test_a_backends_metrics_mode_is_checked() -> None:
     assert c.backends[0].metrics == "none"
     with pytest.raises(ConfigError, match="metrics"):
         Config.from_mapping({"backends": [{"url": "http://10.0.0.1:8000", "metrics": "tgi"}]}, env={})
+
+
+@pytest.mark.parametrize("data", [{}, {"backends": []}, {"backends": None}])
+def test_a_config_without_backends_is_an_error(data: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match="backends: none listed"):
+        Config.from_mapping(data, env={})

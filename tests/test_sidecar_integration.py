@@ -104,7 +104,7 @@ def test_garbage_metrics_make_a_backend_unhealthy(stack: Supervisor) -> None:
     wait_until(lambda: sc.backends()["sim-0"]["state"] == "unhealthy", timeout=5)
     assert (
         "unparseable" in sc.backends()["sim-0"]["last_error"]
-        or "no vllm" in sc.backends()["sim-0"]["last_error"]
+        or "no request gauges" in sc.backends()["sim-0"]["last_error"]
     )
 
 

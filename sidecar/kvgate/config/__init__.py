@@ -103,6 +103,10 @@ class Config:
         raw_backends = data.get("backends") or []
         if not isinstance(raw_backends, list):
             raise ConfigError("backends: expected a list of {url: http://HOST:PORT, weight: 1}")
+        if not raw_backends:
+            # Membership can grow at run time (admin API, Redis), but a gateway that starts with
+            # nothing to route to is a mistake far more often than a plan.
+            raise ConfigError("backends: none listed; a gateway needs at least one {url: http://HOST:PORT}")
         backends = tuple(BackendSpec.from_mapping(b, f"backends[{i}]") for i, b in enumerate(raw_backends))
         ids = [b.id for b in backends]
         if len(set(ids)) != len(ids):
