@@ -143,7 +143,7 @@ class Stack:
     supervising: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
-    def start(cls, run_dir: Path, backends: int = 3) -> Stack:
+    def start(cls, run_dir: Path, backends: int = 3, prefix_index_blocks: int | None = None) -> Stack:
         sup = Supervisor(run_dir)
         sim = free_ports(backends)
         sup.start_sim(sim, backends, "sim", "--model", MODEL, "--seed", "7")
@@ -155,6 +155,8 @@ class Stack:
             "redis": {"url": f"redis://127.0.0.1:{redis_port}/0", "retry_after_ms": 500},
             "scrape": {"interval_ms": 200, "timeout_ms": 150, "stale_after_ms": 1000, "unhealthy_after": 2},
             "outlier": {"base_ejection_ms": 2000},
+            # A smaller index reaches its bound within minutes: memory growth after that is a leak.
+            "routing": {} if prefix_index_blocks is None else {"prefix_index_blocks": prefix_index_blocks},
             "backends": [{"id": f"sim-{i}", "url": f"http://127.0.0.1:{sim + i}"} for i in range(backends)],
         }
         port = free_port()
@@ -432,10 +434,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), help="names from the list above")
     p.add_argument("--fuzz", type=int, default=12_000, help="malformed requests to send (0: none)")
     p.add_argument("--soak", type=float, default=0.0, help="seconds of soak with faults, measuring memory")
+    p.add_argument(
+        "--prefix-index-blocks",
+        type=int,
+        default=None,
+        help="the sidecar's prefix-index bound (smaller: reached early, so later growth is a leak)",
+    )
     p.add_argument("--out", default="bench-results/faults")
     args = p.parse_args(argv)
     out = Path(args.out)
-    stack = Stack.start(out / "run")
+    stack = Stack.start(out / "run", prefix_index_blocks=args.prefix_index_blocks)
     scores: list[Score] = []
     extra: dict[str, Any] = {}
     try:
@@ -472,9 +480,12 @@ def soak(stack: Stack, seconds: float, concurrency: int) -> dict[str, Any]:
         time.sleep(30)
         pids = gateway_pids(stack)
         start_rss = {pid: rss_kb([pid]) for pid in pids}
+        samples: list[tuple[float, int]] = []  # (seconds into the soak, total RSS kB), once a minute
         t0 = time.monotonic()
         i = 0
         while time.monotonic() - t0 < seconds:
+            if not samples or time.monotonic() - t0 - samples[-1][0] >= 60:
+                samples.append((round(time.monotonic() - t0), rss_kb(pids)))
             sc = cycle[i % len(cycle)]
             sc.inject(stack)
             time.sleep(5)
@@ -482,6 +493,7 @@ def soak(stack: Stack, seconds: float, concurrency: int) -> dict[str, Any]:
             time.sleep(10)
             i += 1
         end_rss = {pid: rss_kb([pid]) for pid in pids}
+        samples.append((round(time.monotonic() - t0), rss_kb(pids)))
     lived = [pid for pid in pids if end_rss[pid] > 0]
     start, end = sum(start_rss[p] for p in lived), sum(end_rss[p] for p in lived)
     failures: dict[str, int] = {}
@@ -503,4 +515,5 @@ def soak(stack: Stack, seconds: float, concurrency: int) -> dict[str, Any]:
         "rss_end_kb": end,
         "rss_growth": (end - start) / start if start else None,
         "rss_by_process_kb": {str(p): [start_rss[p], end_rss[p]] for p in pids},
+        "rss_samples_kb": samples,
     }
