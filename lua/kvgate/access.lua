@@ -9,6 +9,7 @@ local errors   = require "kvgate.errors"
 local disagg   = require "kvgate.disagg"
 local failopen = require "kvgate.failopen"
 local features = require "kvgate.features"
+local jsontext = require "kvgate.jsontext"
 local protocol = require "kvgate.protocol"
 local reports  = require "kvgate.reports"
 local sidecar  = require "kvgate.sidecar"
@@ -185,7 +186,7 @@ local function json_body(kind)
     if type(body) ~= "table" then
         return nil, "The request body is not valid JSON: " .. (err or "not an object") .. "."
     end
-    return body
+    return body, nil, raw
 end
 
 -- kind (the route's $kvgate_kind): "json" (a JSON body, or none for GET/DELETE), "responses" (the
@@ -204,7 +205,7 @@ function _M.run()
         return errors.send(404, "Unknown route.")   -- what $uri may hold once proxied as the path
     end
     local key_name = conf.auth and auth.check() or nil
-    local body, err = json_body(kind)
+    local body, err, raw = json_body(kind)
     if not body then
         return errors.send(400, err)
     end
@@ -260,11 +261,10 @@ function _M.run()
         ngx.header["Retry-After"] = tostring(retry_after or 1)
         return errors.send(429, err, "RateLimitError", nil, code)
     end
-    local rewrite = false
+    local added = {}   -- top-level fields the backend's body gains (jsontext: spliced, not re-encoded)
     if decision and decision.priority and body.priority == nil then
         -- vLLM schedules by the body's priority: the gateway's (the key's class) goes with it.
-        body.priority = decision.priority
-        rewrite = true
+        added[#added + 1] = { "priority", str_format("%d", decision.priority) }
     end
     local route = decision and decision.route
     local generates = ngx_var.uri == "/v1/chat/completions" or ngx_var.uri == "/v1/completions"
@@ -273,16 +273,15 @@ function _M.run()
     elseif decision and decision.prefill_addrs and #decision.addrs > 0 then
         -- Disaggregated: the prefill leg runs now; the decoder gets what it handed over, or, when no
         -- prefill backend could, the whole request (co-located).
-        local params = disagg.prefill(body, decision.prefill_ids, decision.prefill_addrs)
+        local params = disagg.prefill(raw, body, decision.prefill_ids, decision.prefill_addrs)
         if params then
-            body.kv_transfer_params = params
-            rewrite = true
+            added[#added + 1] = { "kv_transfer_params", params }
         else
             route = route .. "/colocated"
         end
     end
-    if rewrite then
-        ngx.req.set_body_data(cjson.encode(body))
+    if #added > 0 then
+        ngx.req.set_body_data(jsontext.with_fields(raw, added))
     end
     if decision and #decision.addrs > 0 then
         ctx.kv_id = id

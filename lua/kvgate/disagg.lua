@@ -6,53 +6,51 @@
 -- A prefill candidate that fails is reported against its backend and the next one is tried; when all
 -- fail, the request is served co-located by the decoder: the client never sees a half-done request.
 local cjson    = require "cjson.safe"
+local jsontext = require "kvgate.jsontext"
 local protocol = require "kvgate.protocol"
 local reports  = require "kvgate.reports"
 
 local ngx_log  = ngx.log
 local ngx_WARN = ngx.WARN
-local null     = cjson.null
+local unpack   = unpack
 
 local _M = {}
 
--- The prefill leg's body: the client's, asking for one token, no stream, the KV kept for a decoder.
-local function prefill_body(body)
-    local leg = {}
-    for k, v in pairs(body) do
-        leg[k] = v
+-- What the prefill leg changes in the client's body (as vLLM's toy proxy does): one token, no stream,
+-- the KV kept for a decoder; the decoding-only limits neutralised.
+local PREFILL_FIELDS = {
+    { "kv_transfer_params", '{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,'
+                            .. '"remote_block_ids":null,"remote_host":null,"remote_port":null}' },
+    { "stream", "false" },
+    { "stream_options", "null" },
+    { "max_tokens", "1" },
+}
+
+local function prefill_body(raw, body)
+    local fields = { unpack(PREFILL_FIELDS) }
+    if body.max_completion_tokens ~= nil then
+        fields[#fields + 1] = { "max_completion_tokens", "1" }
     end
-    leg.kv_transfer_params = {
-        do_remote_decode = true, do_remote_prefill = false, remote_engine_id = null,
-        remote_block_ids = null, remote_host = null, remote_port = null,
-    }
-    leg.stream = false
-    leg.stream_options = nil
-    leg.max_tokens = 1
-    if leg.max_completion_tokens ~= nil then
-        leg.max_completion_tokens = 1
+    if body.min_tokens ~= nil then
+        fields[#fields + 1] = { "min_tokens", "0" }
     end
-    leg.min_tokens = nil
-    leg.min_completion_tokens = nil
-    return cjson.encode(leg)
+    return jsontext.with_fields(raw, fields)
 end
 
--- Runs the prefill leg on ids/addrs in order. Returns the kv_transfer_params to send the decoder and
--- the prefill backend's id, or nil when no prefill backend delivered them.
-function _M.prefill(body, ids, addrs)
-    local data = prefill_body(body)
-    if not data then
-        return nil
-    end
+-- Runs the prefill leg on ids/addrs in order (raw: the client's body as sent, body: decoded).
+-- Returns the kv_transfer_params to send the decoder, as JSON text, and the prefill backend's id, or
+-- nil when no prefill backend delivered them.
+function _M.prefill(raw, body, ids, addrs)
+    local data = prefill_body(raw, body)
     local uri = ngx.var.uri
     for i = 1, #addrs do
         local res = ngx.location.capture("/_kvgate/prefill/" .. addrs[i] .. uri,
                                          { method = ngx.HTTP_POST, body = data })
         local params
-        if res.status == 200 and res.truncated ~= true then
-            local answer = cjson.decode(res.body or "")
-            params = type(answer) == "table" and answer.kv_transfer_params or nil
+        if res.status == 200 and res.truncated ~= true and res.body then
+            params = jsontext.object_at(res.body, "kv_transfer_params")
         end
-        if type(params) == "table" then
+        if params and type(cjson.decode(params)) == "table" then
             return params, ids[i]
         end
         if res.status >= 400 and res.status < 500 then
