@@ -56,7 +56,12 @@ def _serve_parser() -> argparse.ArgumentParser:
     f.add_argument("--fault-fail-status", type=int, default=500)
     f.add_argument("--fault-abort-after-tokens", type=int)
     f.add_argument("--fault-metrics", default="ok", choices=["ok", "garbage", "slow", "empty"])
-    p.add_argument("--log-level", default="WARNING")
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        default="WARNING",
+    )
     return p
 
 
@@ -131,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report(profile, checks))
         return 0 if all(c.ok for c in checks) else 1
     args = _serve_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.instances < 1:
         print("vllm-sim: --instances must be at least 1", file=sys.stderr)
         return 2

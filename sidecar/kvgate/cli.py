@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvgate import logs
 from kvgate.config import Config, ConfigError
 from kvgate.nginx_conf import LUA_DIR, NginxSettings, render
 
@@ -24,7 +24,7 @@ RUN_DIR = Path(".run")
 def cmd_sidecar(args: argparse.Namespace) -> int:
     from kvgate.app import serve
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.setup(args)
     try:
         config = Config.from_file(args.config)
     except ConfigError as exc:
@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("sidecar", help="run the routing sidecar")
     s.add_argument("--config", required=True)
-    s.add_argument("--log-level", default="WARNING")
+    logs.add_arguments(s)
     s.set_defaults(func=cmd_sidecar)
     u = sub.add_parser("up", help="run the whole stack as local processes (demo, or --config for real vLLM)")
     u.add_argument("--config", help="sidecar config with real backend URLs (no simulators are started)")
