@@ -264,12 +264,17 @@ def plot_sweep(path: Path, sweep: Mapping[str, Sequence[tuple[float, float]]], t
 
 
 class Progress:
-    """A one-line progress bar on stderr."""
+    """A one-line progress bar on stderr when it is a terminal; in a log file, only the end."""
 
     def __init__(self, label: str) -> None:
         self.label = label
+        self.tty = sys.stderr.isatty()
 
     def __call__(self, done: int, total: int) -> None:
+        if not self.tty:
+            if done >= total:
+                sys.stderr.write(f"{self.label}: {done}/{total}\n")
+            return
         width = 30
         filled = int(width * done / max(total, 1))
         sys.stderr.write(f"\r{self.label:40} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
