@@ -109,3 +109,61 @@ def test_up_serves_the_demo_restarts_what_dies_and_down_stops_everything(tmp_pat
             up.terminate()
             up.wait(timeout=20)
         log.close()
+
+
+def test_up_with_a_config_as_written(tmp_path: Path) -> None:
+    """`kvgate up --config` with what a user writes: a relative socket path (relative to where `up`
+    runs), the config's own admin token (kept, not replaced), and --sidecar-port (applied)."""
+    from kvgate.tools.launcher import Supervisor
+
+    work = tmp_path / "work"
+    work.mkdir()
+    sims = Supervisor(tmp_path / "sims")
+    sim = free_ports(2)
+    sims.start_sim(sim, 2, "sim", "--model", "m")
+    port, redis, sidecar = free_port(), free_port(), free_port()
+    (work / "kvgate.yaml").write_text(
+        f"""listen:
+  socket: .run/kvgate-sidecar.sock
+  admin_token: my-own-token
+redis:
+  url: redis://127.0.0.1:{redis}/0
+backends:
+  - {{id: a, url: "http://127.0.0.1:{sim}"}}
+  - {{id: b, url: "http://127.0.0.1:{sim + 1}"}}
+"""
+    )
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - closed below
+    up = subprocess.Popen(
+        [
+            KVGATE,
+            "up",
+            "--config",
+            "kvgate.yaml",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--port",
+            str(port),
+            "--sidecar-port",
+            str(sidecar),
+        ],
+        cwd=work,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_until(lambda: "kvgate is up" in (tmp_path / "up.log").read_text(), timeout=40)
+        assert (work / ".run" / "kvgate-sidecar.sock").exists()
+        chat = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+        wait_until(lambda: http_json("POST", f"http://127.0.0.1:{port}/v1/chat/completions", chat)[0] == 200)
+        admin = {"Authorization": "Bearer my-own-token"}
+        status, _ = http_json("GET", f"http://127.0.0.1:{sidecar}/debug/decisions", None, admin)
+        assert status == 200
+        assert (tmp_path / "run" / "admin-token").read_text().strip() == "my-own-token"
+    finally:
+        subprocess.run([KVGATE, "down", "--run-dir", str(tmp_path / "run")], capture_output=True, timeout=40)
+        if up.poll() is None:
+            up.terminate()
+            up.wait(timeout=20)
+        log.close()
+        sims.stop_all()

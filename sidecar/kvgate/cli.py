@@ -107,7 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     u.add_argument("--sim-port", type=int, default=8001)
     u.add_argument("--backends", type=int, default=3)
     u.add_argument("--redis-port", type=int, default=6380)
-    u.add_argument("--sidecar-port", type=int, default=9100, help="the sidecar's loopback HTTP API")
+    u.add_argument(
+        "--sidecar-port", type=int, default=None, help="the sidecar's loopback HTTP API (default 9100)"
+    )
     u.add_argument("--time-scale", type=float, default=1.0)
     u.set_defaults(func=cmd_up)
     d = sub.add_parser("down", help="stop the stack `kvgate up` started")

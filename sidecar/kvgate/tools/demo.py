@@ -41,6 +41,9 @@ def _local_redis_port(url: str | None) -> int | None:
     return None
 
 
+DEFAULT_SIDECAR_PORT = 9100
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -57,20 +60,39 @@ def cmd_up(args: argparse.Namespace) -> int:
         except (ProcessLookupError, ValueError):
             pid_file.unlink()
     sup = Supervisor(run_dir)
-    token = os.environ.get("KVGATE_ADMIN_TOKEN") or secrets.token_urlsafe(16)
-    write_private(run_dir / "admin-token", token + "\n")
+    # What the sidecar gets on top of its config (KVGATE_* overrides, see kvgate.config).
+    env: dict[str, str] = {}
     try:
         if args.config:
             config_path = Path(args.config).resolve()
+            config = Config.from_file(config_path)
+            # The config's own admin token stands; without one, a fresh one for this stack.
+            token = (
+                config.listen.admin_token or os.environ.get("KVGATE_ADMIN_TOKEN") or secrets.token_urlsafe(16)
+            )
+            # A relative socket path means relative to where `kvgate up` runs, for the sidecar
+            # (started in its run dir) and for Nginx alike.
+            env["KVGATE_LISTEN_SOCKET"] = str(Path(config.listen.socket).resolve())
+            if args.sidecar_port is not None:
+                env["KVGATE_LISTEN_HTTP_PORT"] = str(args.sidecar_port)
+            config = Config.from_file(config_path, {**os.environ, **env})
         else:
+            token = os.environ.get("KVGATE_ADMIN_TOKEN") or secrets.token_urlsafe(16)
             demo = demo_config(
-                args.sim_port, args.backends, args.redis_port, run_dir, token, args.sidecar_port
+                args.sim_port,
+                args.backends,
+                args.redis_port,
+                run_dir,
+                token,
+                args.sidecar_port if args.sidecar_port is not None else DEFAULT_SIDECAR_PORT,
             )
             config_path = sup.write_config(demo, "kvgate-sidecar")
-        config = Config.from_file(config_path)
+            config = Config.from_file(config_path)
     except ConfigError as exc:
         print(f"kvgate: invalid config: {exc}", file=sys.stderr)
         return 2
+    env["KVGATE_ADMIN_TOKEN"] = token
+    write_private(run_dir / "admin-token", token + "\n")
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -99,7 +121,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
         print("starting the kvgate sidecar and nginx")
         settings = NginxSettings.from_config(config, listen=f"127.0.0.1:{args.port}", run_dir=str(run_dir))
-        launch_replica(sup, "kvgate", config_path, settings, {"KVGATE_ADMIN_TOKEN": token}, wait_peers=False)
+        launch_replica(sup, "kvgate", config_path, settings, env, wait_peers=False)
     except (OSError, RuntimeError, TimeoutError) as exc:
         print(f"kvgate: failed to start the stack: {exc}; logs in {run_dir}", file=sys.stderr)
         sup.stop_all()
