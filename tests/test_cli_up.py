@@ -167,3 +167,39 @@ backends:
             up.wait(timeout=20)
         log.close()
         sims.stop_all()
+
+
+def test_up_on_a_busy_port_says_why_on_the_terminal(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        sim, redis, sidecar = free_ports(1), free_port(), free_port()
+        done = subprocess.run(
+            [
+                KVGATE,
+                "up",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--port",
+                str(port),
+                "--sim-port",
+                str(sim),
+                "--backends",
+                "1",
+                "--redis-port",
+                str(redis),
+                "--sidecar-port",
+                str(sidecar),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 1
+    assert "failed to start the stack" in done.stderr and "Address already in use" in done.stderr
+    for p in (sim, redis, sidecar):  # what it had started is stopped again
+        with pytest.raises(OSError):
+            http_json("GET", f"http://127.0.0.1:{p}/", timeout=1)

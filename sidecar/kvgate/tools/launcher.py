@@ -136,6 +136,20 @@ def owns_socket(pid: int, inodes: set[str]) -> bool:
     return False
 
 
+LOGS: dict[int, Path] = {}  # pid -> the log file a Supervisor gave it, for failure messages
+
+
+def _last_words(pid: int, lines: int = 3) -> str:
+    """The end of a process's log, so a failure to start says why (port in use, bad flag) on the
+    terminal and not only in a file."""
+    path = LOGS.get(pid)
+    try:
+        tail = path.read_text(errors="replace").strip().splitlines()[-lines:] if path else []
+    except OSError:
+        tail = []
+    return (": " + " | ".join(line.strip() for line in tail)) if tail else ""
+
+
 def wait_ready(
     proc: subprocess.Popen[bytes],
     what: str,
@@ -146,7 +160,7 @@ def wait_ready(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {what}")
+            raise RuntimeError(f"process exited with {proc.returncode} before {what}{_last_words(proc.pid)}")
         try:
             if check():
                 return
@@ -283,6 +297,7 @@ class Supervisor:
             start_new_session=True,
         )
         log.close()
+        LOGS[proc.pid] = self.run_dir / f"{name}.log"
         self.procs[name] = proc
         return proc
 
