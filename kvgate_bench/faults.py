@@ -143,7 +143,13 @@ class Stack:
     supervising: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
-    def start(cls, run_dir: Path, backends: int = 3, prefix_index_blocks: int | None = None) -> Stack:
+    def start(
+        cls,
+        run_dir: Path,
+        backends: int = 3,
+        prefix_index_blocks: int | None = None,
+        local_sessions: int | None = None,
+    ) -> Stack:
         sup = Supervisor(run_dir)
         sim = free_ports(backends)
         sup.start_sim(sim, backends, "sim", "--model", MODEL, "--seed", "7")
@@ -152,7 +158,11 @@ class Stack:
         sock = str(sup.run_dir / "sidecar.sock")
         cfg = {
             "listen": {"socket": sock, "http_port": free_port(), "admin_token": "t"},
-            "redis": {"url": f"redis://127.0.0.1:{redis_port}/0", "retry_after_ms": 500},
+            "redis": {
+                "url": f"redis://127.0.0.1:{redis_port}/0",
+                "retry_after_ms": 500,
+                **({} if local_sessions is None else {"local_sessions": local_sessions}),
+            },
             "scrape": {"interval_ms": 200, "timeout_ms": 150, "stale_after_ms": 1000, "unhealthy_after": 2},
             "outlier": {"base_ejection_ms": 2000},
             # A smaller index reaches its bound within minutes: memory growth after that is a leak.
@@ -440,10 +450,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="the sidecar's prefix-index bound (smaller: reached early, so later growth is a leak)",
     )
+    p.add_argument(
+        "--local-sessions",
+        type=int,
+        default=None,
+        help="the sidecar's local session-map bound (each unkeyed soak request makes a new prefix key)",
+    )
     p.add_argument("--out", default="bench-results/faults")
     args = p.parse_args(argv)
     out = Path(args.out)
-    stack = Stack.start(out / "run", prefix_index_blocks=args.prefix_index_blocks)
+    stack = Stack.start(
+        out / "run", prefix_index_blocks=args.prefix_index_blocks, local_sessions=args.local_sessions
+    )
     scores: list[Score] = []
     extra: dict[str, Any] = {}
     try:
