@@ -168,10 +168,11 @@ def test_the_example_config_turns_route_headers_off(tmp_path: Path) -> None:
 def test_config_secrets_are_not_printed(tmp_path: Path) -> None:
     from kvgate.config import Config
 
-    c = Config.from_mapping({"redis": {"password": "hunter2"}}, {"KVGATE_ADMIN_TOKEN": "tok"})
+    one = {"backends": [{"url": "http://127.0.0.1:8001"}]}
+    c = Config.from_mapping({**one, "redis": {"password": "hunter2"}}, {"KVGATE_ADMIN_TOKEN": "tok"})
     assert "hunter2" not in repr(c.redis)
     pw = tmp_path / "pw"
     pw.write_text("from-file\n")
-    assert Config.from_mapping({"redis": {"password_file": str(pw)}}).redis.password == "from-file"
+    assert Config.from_mapping({**one, "redis": {"password_file": str(pw)}}, {}).redis.password == "from-file"
     env: dict[str, Any] = {"KVGATE_REDIS_PASSWORD": "0123"}
-    assert Config.from_mapping({}, env).redis.password == "0123"  # taken as written, not as a number
+    assert Config.from_mapping(one, env).redis.password == "0123"  # taken as written, not as a number
