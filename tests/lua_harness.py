@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import socket
 import socketserver
 import threading
@@ -161,6 +162,10 @@ class PhaseNginx:
         )
         render(s, conf_dir, standalone=False)
         nginx = find_nginx()
+        # The golden files are read by the workers (another user when tests run as root): a copy in
+        # the run dir, so the checkout's own permissions do not matter.
+        golden = run / "golden"
+        shutil.copytree(GOLDEN_DIR, golden, dirs_exist_ok=True)
         main = conf_dir / "nginx.conf"
         main.write_text(
             f"""{main_conf_head(run, workers)}
@@ -169,8 +174,8 @@ class PhaseNginx:
         listen 127.0.0.1:{self.port};
         include {conf_dir}/kvgate-server.conf;
         location = /test/golden {{
-            set $golden_dir {GOLDEN_DIR};
-            content_by_lua_file {GOLDEN_LUA};
+            set $golden_dir {golden};
+            content_by_lua_file {golden}/golden.lua;
         }}
     }}
     {servers}
@@ -216,4 +221,3 @@ def backend_server(port: int, body: str = "", status: int = 200, sleep_s: float 
 
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
-GOLDEN_LUA = GOLDEN_DIR / "golden.lua"

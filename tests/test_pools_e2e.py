@@ -11,7 +11,7 @@ import openai
 import pytest
 from kvgate.tools.launcher import Supervisor, free_port
 
-from tests.conftest import MODEL, http_json
+from tests.conftest import MODEL, http_json, wait_until
 from tests.helpers import Gateway, start_backends
 
 pytestmark = pytest.mark.e2e
@@ -66,14 +66,19 @@ def test_prompts_go_to_their_pool_and_a_full_pool_spills(stack: Supervisor) -> N
     assert status == 200 and explained["pool"] == "long" and explained["pool_rule"]["pool"] == "long"
     assert explained["estimated_prompt_tokens"] > THRESHOLD
 
-    # Two long prompts at once: while the first awaits its prefill the long pool has no room left
-    # (4,096 tokens), so the second spills to the short pool.
-    routes: list[tuple[str, str]] = []
-    threads = [threading.Thread(target=lambda i=i: routes.append(route(3000, f"p{i}-"))) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert len(routes) == 2 and {r.rsplit("@", 1)[1] for r, _ in routes} == {"long", "short"}, routes
+    # While one long prompt awaits its prefill the long pool has no room left (4,096 tokens), so the
+    # next long one spills to the short pool. The long backend is slowed so the first stays in flight.
+    sim_long = gw.sidecar.backends()["sim-2"]["url"]
+    assert http_json("POST", sim_long + "/sim/faults", {"latency_ms": 3000})[0] == 200
+    first: list[tuple[str, str]] = []
+    holder = threading.Thread(target=lambda: first.append(route(3000, "p0-")))
+    holder.start()
+    # Over the pool's budget: only the held request does that (the earlier long one, whose end report
+    # may still be on its way, counted fewer than 4,096 tokens).
+    wait_until(lambda: gw.sidecar.backends()["sim-2"]["inflight_tokens"] >= 4096, timeout=10, every=0.02)
+    spilled = route(3000, "p1-")
+    holder.join(30)
+    assert first and first[0][0].endswith("@long") and first[0][1] == "sim-2", first
+    assert spilled[0].endswith("@short") and spilled[1] in ("sim-0", "sim-1"), spilled
     metrics = http_json("GET", gw.sidecar.http + "/metrics")[1]
     assert 'kvgate_pool_spills_total{pool="long",to="short"} 1.0' in metrics
