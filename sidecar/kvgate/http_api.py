@@ -133,8 +133,8 @@ class HttpApi:
         except UnknownModel as exc:
             return _error(404, f"The model `{exc}` does not exist.", "NotFoundError")
         d = routed.decision
-        pools = self.config.pools
-        rule = pools.pick(f.model, int(f.prompt_bytes / self.service.tokens.ratio(f.model)))
+        estimate = self.service.calibrated(f)
+        rule = self.config.pools.pick(f.model, estimate.est_tokens)
         return web.json_response(
             {
                 "decision_id": routed.decision_id,
@@ -145,8 +145,8 @@ class HttpApi:
                 "rebind_cause": None if d.rebind_cause is None else d.rebind_cause.value,
                 "route": routed.label,
                 "key_source": f.key_source,
-                "estimated_prompt_tokens": int(f.prompt_bytes / self.service.tokens.ratio(f.model)),
-                "bytes_per_token": self.service.tokens.ratio(f.model),
+                "estimated_prompt_tokens": estimate.est_tokens,
+                "bytes_per_token": estimate.bytes_per_token,
                 "pool_rule": None if rule is None else dataclasses.asdict(rule),
                 "pool": routed.pool,
                 "priority": routed.priority,

@@ -144,7 +144,7 @@ class DecisionService:
             raise UnknownModel(f.model)
         seq = next(self._seq)
         did = decision_id if decision_id is not None else f"s{seq}"
-        f = self._calibrated(f)
+        f = self.calibrated(f)
         if self.limiter is not None and not dry_run:
             self._admit(did, f)
         policy = self.policy_for(f.model)
@@ -182,7 +182,8 @@ class DecisionService:
         assert isinstance(routed, Routed)
         return routed
 
-    def _calibrated(self, f: Features) -> Features:
+    def calibrated(self, f: Features) -> Features:
+        """``f`` with its model's bytes-per-token ratio: the token estimate every choice uses."""
         ratio = self.tokens.ratio(f.model)
         return f if ratio == f.bytes_per_token else dataclasses.replace(f, bytes_per_token=ratio)
 
