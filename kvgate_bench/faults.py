@@ -149,6 +149,7 @@ class Stack:
         backends: int = 3,
         prefix_index_blocks: int | None = None,
         local_sessions: int | None = None,
+        trace_memory: bool = False,
     ) -> Stack:
         sup = Supervisor(run_dir)
         sim = free_ports(backends)
@@ -176,7 +177,9 @@ class Stack:
             run_dir=str(sup.run_dir),
             first_byte_timeout_ms=2000,
         )
-        replica = launch_replica(sup, "gw", cfg, settings)
+        # tracemalloc in the sidecar (slower): GET /debug/memory then names the allocation sites.
+        env = {"PYTHONTRACEMALLOC": "1"} if trace_memory else None
+        replica = launch_replica(sup, "gw", cfg, settings, env=env)
         stack = cls(sup, sim, backends, redis_port, replica)
         threading.Thread(target=stack._supervise, daemon=True).start()
         return stack
@@ -189,6 +192,22 @@ class Stack:
     def stop(self) -> None:
         self.supervising.set()
         self.sup.stop_all()
+
+    def sidecar_memory(self, objects: bool = False) -> dict[str, Any]:
+        """The sidecar's ``GET /debug/memory``; empty when it does not answer (a fault may hold it)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.replica.http_port, timeout=30)
+        try:
+            conn.request(
+                "GET",
+                "/debug/memory" + ("?objects=1" if objects else ""),
+                headers={"Authorization": "Bearer t"},
+            )
+            resp = conn.getresponse()
+            return json.loads(resp.read()) if resp.status == 200 else {}
+        except OSError:
+            return {}
+        finally:
+            conn.close()
 
     @property
     def port(self) -> int:
@@ -456,11 +475,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="the sidecar's local session-map bound (each unkeyed soak request makes a new prefix key)",
     )
+    p.add_argument(
+        "--trace-memory",
+        action="store_true",
+        help="run the sidecar under tracemalloc; the soak then reports the allocation sites that grew",
+    )
     p.add_argument("--out", default="bench-results/faults")
     args = p.parse_args(argv)
     out = Path(args.out)
     stack = Stack.start(
-        out / "run", prefix_index_blocks=args.prefix_index_blocks, local_sessions=args.local_sessions
+        out / "run",
+        prefix_index_blocks=args.prefix_index_blocks,
+        local_sessions=args.local_sessions,
+        trace_memory=args.trace_memory,
     )
     scores: list[Score] = []
     extra: dict[str, Any] = {}
@@ -498,12 +525,16 @@ def soak(stack: Stack, seconds: float, concurrency: int) -> dict[str, Any]:
         time.sleep(30)
         pids = gateway_pids(stack)
         start_rss = {pid: rss_kb([pid]) for pid in pids}
+        first = stack.sidecar_memory(objects=True)
         samples: list[tuple[float, int]] = []  # (seconds into the soak, total RSS kB), once a minute
+        structures: list[tuple[float, dict[str, int]]] = []  # the sidecar's bounded structures, likewise
         t0 = time.monotonic()
         i = 0
         while time.monotonic() - t0 < seconds:
             if not samples or time.monotonic() - t0 - samples[-1][0] >= 60:
-                samples.append((round(time.monotonic() - t0), rss_kb(pids)))
+                at = round(time.monotonic() - t0)
+                samples.append((at, rss_kb(pids)))
+                structures.append((at, stack.sidecar_memory().get("structures", {})))
             sc = cycle[i % len(cycle)]
             sc.inject(stack)
             time.sleep(5)
@@ -512,6 +543,8 @@ def soak(stack: Stack, seconds: float, concurrency: int) -> dict[str, Any]:
             i += 1
         end_rss = {pid: rss_kb([pid]) for pid in pids}
         samples.append((round(time.monotonic() - t0), rss_kb(pids)))
+        last = stack.sidecar_memory(objects=True)
+        structures.append((round(time.monotonic() - t0), last.get("structures", {})))
     lived = [pid for pid in pids if end_rss[pid] > 0]
     start, end = sum(start_rss[p] for p in lived), sum(end_rss[p] for p in lived)
     failures: dict[str, int] = {}
@@ -534,4 +567,16 @@ def soak(stack: Stack, seconds: float, concurrency: int) -> dict[str, Any]:
         "rss_growth": (end - start) / start if start else None,
         "rss_by_process_kb": {str(p): [start_rss[p], end_rss[p]] for p in pids},
         "rss_samples_kb": samples,
+        "sidecar_structures": structures,
+        "sidecar_objects_grown": _grown(first.get("objects", {}), last.get("objects", {})),
+        "sidecar_allocations_grown": _grown(
+            {a["site"]: a["kb"] for a in first.get("allocations", [])},
+            {a["site"]: a["kb"] for a in last.get("allocations", [])},
+        ),
     }
+
+
+def _grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What grew between two top-N listings, largest growth first (a name absent before counts from 0)."""
+    delta = {k: round(v - before.get(k, 0), 1) for k, v in after.items()}
+    return dict(sorted(((k, d) for k, d in delta.items() if d > 0), key=lambda kv: -kv[1])[:15])

@@ -294,6 +294,23 @@ def test_admin_routes_need_the_bearer_token(redis_url: str) -> None:
             assert backends[0]["state"] == "draining"
             recent = await (await client.get("/debug/decisions", headers=ok)).json()
             assert recent == {"decisions": []}
+            assert (await client.get("/debug/memory")).status == 401
+
+
+def test_debug_memory_names_every_bounded_structure_beside_its_bound(redis_url: str) -> None:
+    async def scenario() -> None:
+        async with sidecar_app(redis_url) as (client, cfg):
+            ok = {"Authorization": "Bearer t0ken"}
+            mem = await (await client.get("/debug/memory", headers=ok)).json()
+            s = mem["structures"]
+            assert mem["rss_kb"] > 10_000 and "objects" not in mem
+            assert s["local_sessions_bound"] == cfg.redis.local_sessions
+            assert s["prefix_index_bound"] == cfg.routing.prefix_index_blocks
+            assert s["local_sessions"] == s["decisions_in_flight"] == s["queue_waiting"] == 0
+            full = await (await client.get("/debug/memory?objects=1", headers=ok)).json()
+            assert full["objects"]["dict"] > 100  # a heap walk counted the live objects by type
+
+    run(scenario())
 
     run(scenario())
 

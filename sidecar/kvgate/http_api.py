@@ -6,10 +6,13 @@ disabled (403), never open.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import gc
 import hmac
 import os
 import time
+import tracemalloc
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,6 +33,17 @@ def _error(status: int, message: str, typ: str = "invalid_request_error") -> web
     return web.json_response(
         {"error": {"message": message, "type": typ, "param": None, "code": status}}, status=status
     )
+
+
+def _rss_kb() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None  # not Linux
 
 
 class HttpApi:
@@ -63,6 +77,7 @@ class HttpApi:
         r.add_delete("/admin/backends/{id}", self._admin(self.remove_backend))
         r.add_post("/admin/reload", self._admin(self.admin_reload))
         r.add_get("/debug/decisions", self._admin(self.recent))
+        r.add_get("/debug/memory", self._admin(self.memory))
 
     def _admin(self, handler: Handler) -> Handler:
         async def guarded(request: web.Request) -> web.StreamResponse:
@@ -202,6 +217,21 @@ class HttpApi:
         except ConfigError as exc:
             return _error(400, f"reload failed, keeping the running config: {exc}")
         return web.json_response({"reloaded": True, "backends": sorted(self.registry.backends)})
+
+    async def memory(self, request: web.Request) -> web.Response:
+        """Resident memory, the fill of every bounded structure, and with ``?objects=1`` the most
+        numerous live object types (a full heap walk: slow, for diagnosis only). With the sidecar
+        started under ``PYTHONTRACEMALLOC``, the allocation sites holding the most memory."""
+        body: dict[str, Any] = {"rss_kb": _rss_kb(), "structures": self.service.sizes()}
+        if request.query.get("objects") == "1":
+            counts = collections.Counter(type(o).__name__ for o in gc.get_objects())
+            body["objects"] = dict(counts.most_common(25))
+        if tracemalloc.is_tracing():
+            stats = tracemalloc.take_snapshot().statistics("lineno")[:25]
+            body["allocations"] = [
+                {"site": str(s.traceback), "kb": round(s.size / 1024, 1), "blocks": s.count} for s in stats
+            ]
+        return web.json_response(body)
 
     async def recent(self, request: web.Request) -> web.Response:
         return web.json_response({"decisions": self.service.recent()})

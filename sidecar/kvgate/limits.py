@@ -48,6 +48,9 @@ class RateLimiter:
         self.prefix = prefix
         self._use: OrderedDict[str, _Use] = OrderedDict()
 
+    def __len__(self) -> int:
+        return len(self._use)
+
     def rate(self, identity: str) -> Rate:
         kind, _, name = identity.partition(":")
         if kind == "key":

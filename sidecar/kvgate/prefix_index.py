@@ -106,6 +106,13 @@ class PrefixIndex:
     def __len__(self) -> int:
         return self._current.size + self._previous.size
 
+    def sizes(self) -> dict[str, int]:
+        return {
+            "prefix_index_blocks": len(self),
+            "prefix_index_bound": self.max_entries,
+            "prefix_index_retired_segments": len(self._retired),
+        }
+
     def _get(self, h: str) -> _Entry | None:
         found = self._current.get(h)
         if found is None:

@@ -367,6 +367,21 @@ class DecisionService:
             identities, counted = admitted
             self.limiter.correct(identities, -counted, time.time())
 
+    def sizes(self) -> dict[str, int]:
+        """How full each structure the sidecar keeps per request, session or client is, beside its
+        bound: what ``GET /debug/memory`` shows, so that memory growth has a name."""
+        return {
+            **self.sessions.sizes(),
+            **self.index.sizes(),
+            "decisions_in_flight": self.registry.inflight_total(),
+            "admitted_awaiting_usage": len(self._admitted),
+            "admitted_bound": MAX_ADMITTED,
+            "rate_limit_identities": len(self.limiter) if self.limiter is not None else 0,
+            "queue_waiting": len(self.queue) if self.queue is not None else 0,
+            "recent_decisions": len(self._recent),
+            "models_learned": len(self.tokens.learned),
+        }
+
     def recent(self) -> list[dict[str, Any]]:
         """The last decisions, oldest first, as ``GET /debug/decisions`` shows them."""
         return [

@@ -52,6 +52,9 @@ class LocalSessions:
             self._map.move_to_end(key)
         return entry
 
+    def __len__(self) -> int:
+        return len(self._map)
+
     def set(self, key: str, node: str, confirmed: float) -> None:
         self._map[key] = (node, confirmed)
         self._map.move_to_end(key)
@@ -119,6 +122,16 @@ class SessionStore:
 
     def _key(self, key: str) -> str:
         return f"{self.config.prefix}:s:{key}"
+
+    def sizes(self) -> dict[str, int]:
+        """Entry counts of what this store keeps in memory (``GET /debug/memory``)."""
+        return {
+            "local_sessions": len(self.local),
+            "local_sessions_bound": self.local.capacity,
+            "unsynced_bindings": len(self._dirty),
+            "ttl_refreshes_due": len(self._touched),
+            "redis_writes_in_flight": len(self._writes),
+        }
 
     @property
     def redis_ok(self) -> bool:
