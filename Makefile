@@ -4,14 +4,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 APT_PACKAGES := nginx-light libnginx-mod-http-lua lua-resty-core lua-resty-lrucache lua-cjson \
-                redis-server lua-check prometheus python3-venv
+                redis-server lua-check prometheus docker-compose python3-venv
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: setup demo test test-docker check fmt clean
 
 setup: .setup-apt.stamp $(VENV)/.installed
 
-# System packages: Nginx with the Lua module, Redis, luacheck, promtool. Quiet when already there.
+# System packages: Nginx with the Lua module, Redis, luacheck, promtool, docker-compose (validates
+# the compose files; no engine needed). Quiet when already there.
 .setup-apt.stamp: Makefile
 	@if ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
 		echo "installing system packages: $(APT_PACKAGES)"; \

@@ -41,6 +41,7 @@ SERVICE = web.AppKey("service", DecisionService)
 REGISTRY = web.AppKey("registry", Registry)
 MEMBERSHIP = web.AppKey("membership", Membership)
 RELOAD: web.AppKey[Callable[[], Awaitable[None]]] = web.AppKey("reload")
+METRICS_APP = web.AppKey("metrics_app", web.Application)  # served on listen.metrics_port when set
 
 
 def redis_client(config: Config) -> aioredis.Redis | None:
@@ -148,8 +149,11 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
         await membership.replace(fresh.backends)
         logger.warning("reloaded %d backend(s) from %s", len(fresh.backends), config_path)
 
-    HttpApi(config, registry, membership, service, metrics, reload).routes(app)
+    api = HttpApi(config, registry, membership, service, metrics, reload)
+    api.routes(app)
     app[RELOAD] = reload
+    app[METRICS_APP] = web.Application()
+    api.public_routes(app[METRICS_APP])
 
     async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
@@ -212,6 +216,15 @@ async def serve(config: Config, config_path: str | Path | None = None) -> None:
         config.listen.http_host,
         config.listen.http_port,
     )
+    runners = [runner]
+    if config.listen.metrics_port is not None:
+        public = web.AppRunner(app[METRICS_APP], access_log=None)
+        await public.setup()
+        await web.TCPSite(public, config.listen.metrics_host, config.listen.metrics_port).start()
+        runners.append(public)
+        logger.warning(
+            "kvgate sidecar: metrics on %s:%d", config.listen.metrics_host, config.listen.metrics_port
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, stop.set)
@@ -227,7 +240,8 @@ async def serve(config: Config, config_path: str | Path | None = None) -> None:
     try:
         await stop.wait()
     finally:
-        await runner.cleanup()
+        for r in reversed(runners):
+            await r.cleanup()
 
 
 async def _safe_reload(app: web.Application) -> None:

@@ -48,6 +48,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         run_dir=args.run_dir,
         edge_lua=args.edge_lua,
         catch_all=not args.no_v1_catch_all,
+        error_log=args.error_log,
     )
     main = render(settings, Path(args.out), standalone=not args.drop_in, openresty=args.openresty or None)
     print(f"wrote {main.parent}/ ({'include files only' if args.drop_in else 'standalone nginx.conf'})")
@@ -133,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="no `location /v1/` for other /v1/ routes (the edge has its own)",
     )
     r.add_argument("--openresty", action="store_true", help="target OpenResty (no load_module lines)")
+    r.add_argument(
+        "--error-log", default="", help="Nginx's error log (default: run dir; containers: /dev/stderr)"
+    )
     r.set_defaults(func=cmd_render)
     h = sub.add_parser("hash-key", help="print the SHA-256 of an API key read from stdin, for auth.keys")
     h.set_defaults(func=cmd_hash_key)

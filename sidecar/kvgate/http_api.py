@@ -79,6 +79,12 @@ class HttpApi:
         r.add_get("/debug/decisions", self._admin(self.recent))
         r.add_get("/debug/memory", self._admin(self.memory))
 
+    def public_routes(self, app: web.Application) -> None:
+        """The routes of the non-loopback metrics listener (``listen.metrics_port``): read-only
+        health and metrics, nothing that decides, reveals a client's data or changes state."""
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/metrics", self.prom)
+
     def _admin(self, handler: Handler) -> Handler:
         async def guarded(request: web.Request) -> web.StreamResponse:
             token = self.config.listen.admin_token

@@ -48,6 +48,7 @@ class NginxSettings:
     client_max_body_size: str = "16m"
     client_body_buffer_size: str = "4m"
     access_log: bool = False
+    error_log: str = ""  # where Nginx logs errors ("": nginx-error.log in run_dir; containers: /dev/stderr)
     lua_dir: str = str(LUA_DIR)  # where the gateway will find lua/kvgate/*.lua
     worker_user: str | None = None  # when Nginx starts as root: its workers' user (None: nobody)
     auth: bool = False  # check API keys (the config has some)
@@ -165,6 +166,7 @@ def render(
         "workers": str(settings.workers),
         "run_dir": str(run_dir),
         "access_log": f"{run_dir}/nginx-access.log kvgate" if settings.access_log else "off",
+        "error_log": settings.error_log or f"{run_dir}/nginx-error.log",
         "user_directive": user_directive(settings.worker_user),
         "auth": "true" if settings.auth else "false",
         "limits": "true" if settings.limits else "false",

@@ -22,11 +22,27 @@ class ListenConfig:
     http_host: str = "127.0.0.1"  # admin, metrics and /v1/backends
     http_port: int = 9100
     admin_token: str | None = None
+    # A second listener with GET /metrics and /healthz only (no admin, no decisions), for a
+    # Prometheus or a probe in another container or host. None: off.
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = None
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> ListenConfig:
         w = "listen"
-        check_keys(d, w, {"socket", "socket_group", "http_host", "http_port", "admin_token"})
+        check_keys(
+            d,
+            w,
+            {
+                "socket",
+                "socket_group",
+                "http_host",
+                "http_port",
+                "admin_token",
+                "metrics_host",
+                "metrics_port",
+            },
+        )
         host = str(d.get("http_host", "127.0.0.1"))
         if host not in ("127.0.0.1", "::1", "localhost"):
             raise ConfigError(f"{w}.http_host: {host!r} is not loopback; the sidecar API is local only")
@@ -38,6 +54,10 @@ class ListenConfig:
             http_host=host,
             http_port=integer(d, w, "http_port", 9100, 0, 65535),
             admin_token=None if token is None else str(token),
+            metrics_host=str(d.get("metrics_host", "0.0.0.0")),
+            metrics_port=None
+            if d.get("metrics_port") is None
+            else integer(d, w, "metrics_port", 9101, 1, 65535),
         )
 
 
