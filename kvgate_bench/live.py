@@ -55,8 +55,8 @@ COUNTERS = (
     "vllm:prefix_cache_queries_total",
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
-    "vllm_sim:step_overrun_seconds_total",
-    "vllm_sim:step_busy_seconds_total",
+    "vllm_sim_step_overrun_seconds_total",
+    "vllm_sim_step_busy_seconds_total",
 )
 
 
@@ -192,8 +192,8 @@ def summarize_live(
     hits = sum(v["vllm:prefix_cache_hits_total"] for v in d.values())
     queries = sum(v["vllm:prefix_cache_queries_total"] for v in d.values())
     prefill = {b: v["vllm:prompt_tokens_total"] - v["vllm:prefix_cache_hits_total"] for b, v in d.items()}
-    busy = sum(v["vllm_sim:step_busy_seconds_total"] for v in d.values())
-    lost = sum(v["vllm_sim:step_overrun_seconds_total"] for v in d.values())
+    busy = sum(v["vllm_sim_step_busy_seconds_total"] for v in d.values())
+    lost = sum(v["vllm_sim_step_overrun_seconds_total"] for v in d.values())
     step_lag = lost / busy if busy > 0 else 0.0
     problems = []
     if run.send_lag_p99 > MAX_SEND_LAG_S:

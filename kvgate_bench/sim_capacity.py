@@ -4,9 +4,9 @@ Starts ``vllm-sim --instances N``, keeps C streaming requests in flight (closed 
 over the instances) for a fixed wall duration at each time scale, and compares the inter-token
 latency the clients see with the one the engines simulated (their ITL histograms, divided by the
 time scale). The step lag ratio is the simulators' own account: seconds by which step ends overran
-their schedule over seconds of scheduled steps (``vllm_sim:step_overrun_seconds_total`` /
-``vllm_sim:step_busy_seconds_total``); a run is within budget when it is under 5 %. The client-side
-ITL excess adds HTTP and client overhead on top, and the largest ``vllm_sim:step_lag_seconds``
+their schedule over seconds of scheduled steps (``vllm_sim_step_overrun_seconds_total`` /
+``vllm_sim_step_busy_seconds_total``); a run is within budget when it is under 5 %. The client-side
+ITL excess adds HTTP and client overhead on top, and the largest ``vllm_sim_step_lag_seconds``
 (worst step in a 2 s window) is reported too.
 
     python -m kvgate_bench.sim_capacity --instances 8 --concurrency 64 --scales 1 2 4 8 16
@@ -55,9 +55,9 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]
             if s.name in (
                 "vllm:inter_token_latency_seconds_sum",
                 "vllm:inter_token_latency_seconds_count",
-                "vllm_sim:step_lag_seconds",
-                "vllm_sim:step_overrun_seconds_total",
-                "vllm_sim:step_busy_seconds_total",
+                "vllm_sim_step_lag_seconds",
+                "vllm_sim_step_overrun_seconds_total",
+                "vllm_sim_step_busy_seconds_total",
             ):
                 out[s.name] = out.get(s.name, 0.0) + s.value
     return out
@@ -98,7 +98,7 @@ async def run_scale(
             nonlocal lag_max
             while time.perf_counter() < deadline:
                 for u in urls:
-                    lag_max = max(lag_max, (await _metrics(session, u)).get("vllm_sim:step_lag_seconds", 0.0))
+                    lag_max = max(lag_max, (await _metrics(session, u)).get("vllm_sim_step_lag_seconds", 0.0))
                 await asyncio.sleep(0.5)
 
         await asyncio.gather(watch_lag(), *(worker(i) for i in range(concurrency)))
@@ -109,8 +109,8 @@ async def run_scale(
 
     itl_sum = delta("vllm:inter_token_latency_seconds_sum")
     itl_n = delta("vllm:inter_token_latency_seconds_count")
-    lag = delta("vllm_sim:step_overrun_seconds_total")
-    busy = delta("vllm_sim:step_busy_seconds_total")
+    lag = delta("vllm_sim_step_overrun_seconds_total")
+    busy = delta("vllm_sim_step_busy_seconds_total")
     engine_itl = itl_sum / itl_n / scale
     client_itl = statistics.fmean(gaps)
     excess = client_itl / engine_itl - 1.0

@@ -192,7 +192,7 @@ def test_metrics_pass_promtool_apart_from_vllms_colon_names(sim: str) -> None:
         "vllm:request_success_total{",
         "vllm:cache_config_info{",
         'vllm:time_to_first_token_seconds_bucket{engine="0",le="2560.0"',
-        "vllm_sim:step_lag_seconds{",
+        "vllm_sim_step_lag_seconds{",
         "vllm:inter_token_latency_seconds_bucket",
         "vllm:e2e_request_latency_seconds_bucket",
     ):
@@ -201,7 +201,8 @@ def test_metrics_pass_promtool_apart_from_vllms_colon_names(sim: str) -> None:
     problems = [
         line
         for line in (out.stdout + out.stderr).decode().splitlines()
-        if line.strip() and "should not contain ':'" not in line
+        # Real vLLM's names carry a colon; the simulator's own must follow Prometheus naming.
+        if line.strip() and not (line.startswith("vllm:") and "should not contain ':'" in line)
     ]
     assert problems == []
 

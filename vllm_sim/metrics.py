@@ -4,7 +4,7 @@ Gauges and counters are read from the engine at scrape time by a custom collecto
 drift from the engine's state; latency histograms are observed as requests progress. Both the 0.11
 names and the 0.8-0.10 names (gpu_cache_usage_perc, gpu_prefix_cache_*, time_per_output_token) are
 emitted so old and new readers both work. Histogram values are in simulated seconds, which is what
-the same workload would show on real hardware. The simulator-only ``vllm_sim:step_lag_seconds`` gauge
+the same workload would show on real hardware. The simulator-only ``vllm_sim_step_lag_seconds`` gauge
 and its two companion counters (which give the exact lag ratio over an interval) are in wall seconds.
 """
 
@@ -108,7 +108,7 @@ class _EngineCollector(Collector):
         )
         yield info
         lag = GaugeMetricFamily(
-            "vllm_sim:step_lag_seconds",
+            "vllm_sim_step_lag_seconds",
             "Simulator only: largest lag of the engine's step schedule behind real "
             "time over the last 2 s of wall time.",
             labels=LABELS,
@@ -118,12 +118,12 @@ class _EngineCollector(Collector):
         yield lag
         # The exact ratio a benchmark needs: wall seconds steps ended late over wall seconds of steps.
         yield self._counter(
-            "vllm_sim:step_overrun_seconds",
+            "vllm_sim_step_overrun_seconds",
             "Simulator only: wall time the step schedule lost to a loop that fell behind.",
             total_lag,
         )
         yield self._counter(
-            "vllm_sim:step_busy_seconds",
+            "vllm_sim_step_busy_seconds",
             "Simulator only: total scheduled duration of engine steps (wall s).",
             total_busy,
         )

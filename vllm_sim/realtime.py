@@ -4,8 +4,8 @@ Each step is scheduled to end ``duration / time_scale`` wall seconds after the p
 sleeps until then and hands the step's tokens to the waiting request handlers. Simulated time is wall
 time since start multiplied by ``time_scale``. Timer jitter is absorbed (the next sleep is shorter);
 when Python falls more than ``MAX_DEBT_S`` behind, the schedule is re-anchored and the lost time
-counted. ``vllm_sim:step_lag_seconds`` shows the worst lateness in the last 2 s; the counters
-``vllm_sim:step_overrun_seconds_total`` / ``vllm_sim:step_busy_seconds_total`` give the share of time
+counted. ``vllm_sim_step_lag_seconds`` shows the worst lateness in the last 2 s; the counters
+``vllm_sim_step_overrun_seconds_total`` / ``vllm_sim_step_busy_seconds_total`` give the share of time
 the simulation lost.
 """
 
