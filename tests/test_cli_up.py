@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -54,6 +55,10 @@ def test_up_serves_the_demo_restarts_what_dies_and_down_stops_everything(tmp_pat
             str(redis),
             "--sidecar-port",
             str(sidecar),
+            "--log-level",
+            "info",
+            "--log-format",
+            "json",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -71,6 +76,9 @@ def test_up_serves_the_demo_restarts_what_dies_and_down_stops_everything(tmp_pat
         )
         assert status == 200 and body["usage"]["completion_tokens"] <= 3
         assert len(http_json("GET", f"http://127.0.0.1:{sidecar}/v1/backends")[1]["backends"]) == 2
+        # The log options reach the sidecar: JSON lines, INFO included.
+        lines = [json.loads(x) for x in (run_dir / "kvgate-sidecar.log").read_text().splitlines() if x]
+        assert any(x["level"] == "INFO" and x["msg"].startswith("ring rebuilt") for x in lines)
         chat = {
             "model": "meta-llama/Llama-3.1-8B-Instruct",
             "max_tokens": 2,
@@ -167,6 +175,17 @@ backends:
             up.wait(timeout=20)
         log.close()
         sims.stop_all()
+
+
+def test_up_refuses_a_bad_log_level_before_starting_anything(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [KVGATE, "up", "--run-dir", str(tmp_path / "run"), "--log-level", "loud"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 2 and "'loud' is not a log level" in done.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_up_on_a_busy_port_says_why_on_the_terminal(tmp_path: Path) -> None:

@@ -112,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--sidecar-port", type=int, default=None, help="the sidecar's loopback HTTP API (default 9100)"
     )
     u.add_argument("--time-scale", type=float, default=1.0)
+    logs.add_arguments(u)  # handed to the sidecar it starts
     u.set_defaults(func=cmd_up)
     d = sub.add_parser("down", help="stop the stack `kvgate up` started")
     d.add_argument("--run-dir", default=str(RUN_DIR))

@@ -59,7 +59,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             return 1
         except (ProcessLookupError, ValueError):
             pid_file.unlink()
-    sup = Supervisor(run_dir)
+    sup = Supervisor(run_dir, sidecar_args=("--log-level", args.log_level, "--log-format", args.log_format))
     # What the sidecar gets on top of its config (KVGATE_* overrides, see kvgate.config).
     env: dict[str, str] = {}
     try:

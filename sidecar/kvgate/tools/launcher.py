@@ -237,6 +237,7 @@ class Supervisor:
     run_dir: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _children: dict[str, _Child] = field(default_factory=dict)
+    sidecar_args: tuple[str, ...] = ()  # appended to every `kvgate sidecar` it starts (log options)
 
     def __post_init__(self) -> None:
         self.run_dir = self.run_dir.resolve()
@@ -349,7 +350,7 @@ class Supervisor:
         name: str = "sidecar",
         env: Mapping[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
-        argv = [_bin("kvgate"), "sidecar", "--config", str(config_path)]
+        argv = [_bin("kvgate"), "sidecar", "--config", str(config_path), *self.sidecar_args]
         return self.spawn(name, argv, env, ready=lambda p: wait_listening(p, unix=socket_path))
 
     def start_nginx(self, settings: NginxSettings, port: int, name: str = "nginx") -> subprocess.Popen[bytes]:
