@@ -264,6 +264,27 @@ def test_no_healthy_backend_gives_503_json(fresh: Env) -> None:
     assert r.status_code == 503 and r.json()["error"]["code"] == 503
 
 
+def test_kvgate_health_never_calls_a_fleet_with_an_excluded_backend_healthy(fresh: Env) -> None:
+    """A backend whose metrics cannot be scraped is excluded, and the gateway's health says so until
+    it is back; a sidecar that stops answering makes the gateway degraded too (it routes alone)."""
+
+    def health() -> dict[str, Any]:
+        return http_json("GET", fresh.gw.url + "/kvgate/health")[1]
+
+    wait_until(lambda: health()["status"] == "ok", timeout=5)
+    assert (health()["eligible_backends"], health()["known_backends"]) == (3, 3)
+    fresh.fault("sim-1", metrics="garbage")
+    wait_until(lambda: health()["status"] == "degraded", timeout=5)
+    h = health()
+    assert (h["eligible_backends"], h["known_backends"], h["sidecar"]) == (2, 3, "ok")
+    assert fresh.gw.sidecar.backends()["sim-1"]["state"] != "healthy"
+    fresh.fault("sim-1", metrics="ok")
+    wait_until(lambda: health()["status"] == "ok", timeout=5)
+    fresh.stack.kill(fresh.gw.sidecar.name)
+    wait_until(lambda: health()["sidecar"] == "unreachable", timeout=6)
+    assert health()["status"] == "degraded" and health()["eligible_backends"] == 3
+
+
 def test_sidecar_killed_fails_open_then_decisions_resume(fresh: Env) -> None:
     sc = fresh.gw.sidecar
     fresh.stack.kill(sc.name)

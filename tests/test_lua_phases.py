@@ -114,7 +114,11 @@ def test_lua_protocol_matches_the_golden_file(phase: Phase) -> None:
                 expected["retry_after"] = want["retry_after"]
             assert lua == expected
         elif want["kind"] == "peers":
-            assert (lua["version"], lua["peers"]) == (want["version"], want["peers"])
+            assert (lua["version"], lua["peers"], lua["known"]) == (
+                want["version"],
+                want["peers"],
+                want["known"],
+            )
         else:
             assert lua == want
     assert got["mismatch"]["accepted"] is False and "mismatch" in got["mismatch"]["error"]

@@ -80,7 +80,7 @@ def reply(d: dict[str, Any]) -> object:
     if kind == "keys":
         return KeysReply(d["version"], d["keys"])
     if kind == "peers":
-        return PeersReply(d["version"], tuple(Candidate(*p) for p in d["peers"]))
+        return PeersReply(d["version"], tuple(Candidate(*p) for p in d["peers"]), d["known"])
     return ModelsReply(tuple(d["cards"]))
 
 

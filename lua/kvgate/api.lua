@@ -82,7 +82,19 @@ function _M.health()
         return
     end
     local peers, version = failopen.peers()
-    return send_json(cjson.encode({ status = "ok", fail_open_peers = #peers, peers_version = version,
+    local known, fresh = failopen.fleet()
+    -- ok: every backend the sidecar knows takes traffic; degraded: some are excluded (failed health
+    -- or scrape, ejected, draining) or the sidecar stopped answering (Nginx routes on its own over the
+    -- last list); down: no backend to send a request to.
+    local status = "ok"
+    if #peers == 0 then
+        status = "down"
+    elseif not fresh or (known or 0) > #peers then
+        status = "degraded"
+    end
+    return send_json(cjson.encode({ status = status, eligible_backends = #peers, known_backends = known or 0,
+                                    sidecar = fresh and "ok" or "unreachable",
+                                    fail_open_peers = #peers, peers_version = version,
                                     dropped_reports = reports.dropped(),
                                     master_pid = process.get_master_pid() }))
 end

@@ -38,6 +38,13 @@ function _M.peers()
     return cache.list, cache.version
 end
 
+-- How many backends the sidecar knows (eligible or not) as of its last answer, and whether it answered
+-- within the last few refreshes.
+function _M.fleet()
+    local dict = ngx.shared[conf.dict]
+    return dict:get("peers:known"), dict:get("peers:fresh") ~= nil
+end
+
 -- Rendezvous (highest-random-weight) hashing over the peers: every worker and replica orders the same
 -- peers the same way for a key, and losing one peer moves only its keys. Returns ids, addrs.
 function _M.order(key)
@@ -67,15 +74,19 @@ local function refresh(premature)
         return -- another worker refreshes this round
     end
     local reply, err = sidecar.peers()
-    local version, peers
+    local version, peers, known
     if reply then
-        version, peers = protocol.peer_list(reply)
+        version, peers, known = protocol.peer_list(reply)
         err = peers
     end
     if not version then
         ngx_log(ngx_WARN, "kvgate: peer refresh failed, keeping the last list: ", err)
+        dict:delete("peers:fresh")
         return
     end
+    -- For /kvgate/health: how many backends the sidecar knows, and that it answered lately.
+    dict:set("peers:known", known)
+    dict:set("peers:fresh", true, REFRESH_S * 3)
     if dict:get("peers:version") == version and dict:get("peers:list") ~= nil then
         return
     end

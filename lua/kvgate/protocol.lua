@@ -137,12 +137,17 @@ function _M.decision(reply)
     return out
 end
 
--- The fail-open peer list: version, { {id =, addr =}, ... }; or nil, error.
+-- The fail-open peer list: version, { {id =, addr =}, ... }, backends the sidecar knows (eligible
+-- or not); or nil, error.
 function _M.peer_list(reply)
     if type(reply.peers) ~= "table" or type(reply.v) ~= "number" then
         return nil, "malformed peers reply"
     end
-    return reply.v, reply.peers
+    local known = reply.n
+    if type(known) ~= "number" then
+        known = #reply.peers
+    end
+    return reply.v, reply.peers, known
 end
 
 -- The model cards of /v1/models, or nil, error.

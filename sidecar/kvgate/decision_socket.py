@@ -85,7 +85,7 @@ class DecisionServer:
             return None
         if isinstance(msg, PeersQuery):
             version, peers = self.registry.peers()
-            return PeersReply(version, peers)
+            return PeersReply(version, peers, len(self.registry.backends))
         if isinstance(msg, KeysQuery):
             return self.service.keys()
         assert isinstance(msg, ModelsQuery)

@@ -24,7 +24,7 @@ sidecar -> Lua::
     {"pv":3,"i":id,"q":1}   the request waits in the gateway queue: the same connection carries this
                             line again every heartbeat, then the decision or an error
     {"pv":3,"e":error code,"msg":text,"ra":retry after s}                an error
-    {"pv":3,"v":peers version,"peers":[{"id":backend id,"addr":"host:port"},...]}
+    {"pv":3,"v":peers version,"peers":[{"id":backend id,"addr":"host:port"},...],"n":backends known}
     {"pv":3,"data":[model card,...]}
     {"pv":3,"v":keys version,"keys":{sha256 hex:key name,...}}
 
@@ -206,6 +206,7 @@ class ErrorReply:
 class PeersReply:
     version: int
     peers: tuple[Candidate, ...]
+    known: int = 0  # backends the sidecar knows, eligible or not: fewer peers means a degraded fleet
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,6 +440,7 @@ def encode_reply(reply: Reply) -> dict[str, Any]:
             "pv": VERSION,
             "v": reply.version,
             "peers": [{"id": p.id, "addr": p.address} for p in reply.peers],
+            "n": reply.known,
         }
     return {"pv": VERSION, "data": [dict(c) for c in reply.cards]}
 
@@ -464,7 +466,9 @@ def decode_reply(d: Mapping[str, Any]) -> Reply:
             tuple(Candidate(a, b) for a, b in prefill),
         )
     if "peers" in d:
-        return PeersReply(int(d["v"]), tuple(Candidate(p["id"], p["addr"]) for p in d["peers"]))
+        return PeersReply(
+            int(d["v"]), tuple(Candidate(p["id"], p["addr"]) for p in d["peers"]), int(d.get("n", 0))
+        )
     return ModelsReply(tuple(d["data"]))
 
 

@@ -96,12 +96,12 @@ local function run_protocol()
             meaning = { kind = "decision", decision_id = d.id, candidates = pairs_, route = d.route,
                         n = #d.ids, priority = d.priority or null, prefill = prefill, np = #prefill }
         elseif case.wire.peers then
-            local version, peers = protocol.peer_list(reply)
+            local version, peers, known = protocol.peer_list(reply)
             local list = {}
             for j, p in ipairs(peers) do
                 list[j] = { p.id, p.addr }
             end
-            meaning = { kind = "peers", version = version, peers = list, n = #list }
+            meaning = { kind = "peers", version = version, peers = list, n = #list, known = known }
         else
             meaning = { kind = "models", cards = protocol.model_list(reply) }
         end

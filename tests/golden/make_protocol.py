@@ -78,7 +78,7 @@ REPLIES = [
     ErrorReply(ErrorCode.PROTOCOL_VERSION, "protocol version mismatch"),
     ErrorReply(ErrorCode.RATE_LIMITED, "Rate limit reached; retry later.", 42),
     KeysReply(7, {"a" * 64: "team-a"}),
-    PeersReply(3, (Candidate("sim-0", "127.0.0.1:8001"), Candidate("sim-1", "127.0.0.1:8002"))),
+    PeersReply(3, (Candidate("sim-0", "127.0.0.1:8001"), Candidate("sim-1", "127.0.0.1:8002")), 3),
     ModelsReply(({"id": "m", "object": "model", "created": 0, "owned_by": "vllm"},)),
 ]
 
@@ -130,7 +130,7 @@ def reply(r: object) -> dict[str, object]:
     if isinstance(r, KeysReply):
         return {"kind": "keys", "version": r.version, "keys": dict(r.keys)}
     if isinstance(r, PeersReply):
-        return {"kind": "peers", "version": r.version, "peers": [list(p) for p in r.peers]}
+        return {"kind": "peers", "version": r.version, "peers": [list(p) for p in r.peers], "known": r.known}
     assert isinstance(r, ModelsReply)
     return {"kind": "models", "cards": [dict(c) for c in r.cards]}
 
