@@ -285,6 +285,20 @@ def test_kvgate_health_never_calls_a_fleet_with_an_excluded_backend_healthy(fres
     assert health()["status"] == "degraded" and health()["eligible_backends"] == 3
 
 
+def test_a_backend_without_metrics_is_detected_and_routed_on_in_flight_counts(fresh: Env) -> None:
+    """metrics: auto (the default): a backend whose /metrics route is gone stays healthy, serves
+    its share, and says so in /v1/backends; when /metrics is back, its load comes from them again."""
+    fresh.fault("sim-2", metrics="absent")
+    wait_until(lambda: fresh.gw.sidecar.backends()["sim-2"]["metrics"] == "none", timeout=5)
+    assert fresh.gw.sidecar.backends()["sim-2"]["state"] == "healthy"
+    served = {post(fresh.gw.url, chat(500 + i, 1)).headers["X-Kvgate-Backend"] for i in range(30)}
+    assert "sim-2" in served
+    fresh.fault("sim-2", metrics="ok")
+    wait_until(lambda: fresh.gw.sidecar.backends()["sim-2"]["metrics"] == "auto", timeout=5)
+    log = (fresh.stack.run_dir / f"{fresh.gw.sidecar.name}.log").read_text()
+    assert "backend sim-2 has no /metrics" in log and "backend sim-2 serves /metrics now" in log
+
+
 def test_sidecar_killed_fails_open_then_decisions_resume(fresh: Env) -> None:
     sc = fresh.gw.sidecar
     fresh.stack.kill(sc.name)

@@ -51,7 +51,8 @@ def test_reads_sglangs_names() -> None:
 
 def test_a_backend_without_metrics_is_scraped_for_health_only() -> None:
     """metrics: none: any OpenAI-compatible server with a /health is routable, its load the
-    sidecar's own in-flight counts; with metrics expected, the same server fails its scrape."""
+    sidecar's own in-flight counts; auto finds that it has no /metrics route and does the same; with
+    vLLM metrics required, the same server fails its scrape."""
     import asyncio
 
     import aiohttp
@@ -73,8 +74,10 @@ def test_a_backend_without_metrics_is_scraped_for_health_only() -> None:
             async with aiohttp.ClientSession() as session:
                 got = await scrape(session, f"http://127.0.0.1:{port}", 1.0, "none")
                 assert (got.running, got.waiting, got.kv_usage) == (0.0, 0.0, None)
+                auto = await scrape(session, f"http://127.0.0.1:{port}", 1.0, "auto")
+                assert auto.metrics_less and (auto.running, auto.waiting) == (0.0, 0.0)
                 with pytest.raises(ScrapeError, match="/metrics answered 404"):
-                    await scrape(session, f"http://127.0.0.1:{port}", 1.0, "auto")
+                    await scrape(session, f"http://127.0.0.1:{port}", 1.0, "vllm")
             await asyncio.sleep(0.05)  # the closed session's connections finish closing in this loop
         finally:
             await runner.cleanup()
@@ -191,3 +194,49 @@ def test_the_line_scanner_costs_a_fraction_of_the_full_parser() -> None:
     scanner = calls(lambda: parse_metrics(text, 0.0))
     full = calls(lambda: list(text_string_to_metric_families(text)))
     assert scanner * 10 < full, (scanner, full)
+
+
+def test_health_falls_back_to_models_only_where_there_is_no_health_route() -> None:
+    """A server without /health is up when /v1/models answers; a /health that answers 503 is down
+    whatever /v1/models says; a /metrics that answers garbage is a failed scrape even in auto."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+    from kvgate.scraper import scrape
+
+    state = {"health": 404, "metrics": 404}
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=state["health"])
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m"}]})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(status=state["metrics"], text="<html>not metrics</html>")
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as session:
+                assert (await scrape(session, url, 1.0, "auto")).metrics_less
+                state["health"] = 503
+                with pytest.raises(ScrapeError, match="/health answered 503"):
+                    await scrape(session, url, 1.0, "auto")
+                state["health"], state["metrics"] = 200, 200
+                with pytest.raises(ScrapeError, match="no request gauges"):
+                    await scrape(session, url, 1.0, "auto")
+            await asyncio.sleep(0.05)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())

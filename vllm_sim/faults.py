@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-METRICS_MODES = ("ok", "garbage", "slow", "empty")
+METRICS_MODES = ("ok", "garbage", "slow", "empty", "absent")  # absent: no /metrics route (404)
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +22,7 @@ class Faults:
     fail_rate: float = 0.0  # fraction of completion requests that fail with fail_status
     fail_status: int = 500
     abort_after_tokens: int | None = None  # cut streams (the TCP connection) after K tokens
-    metrics: str = "ok"  # ok | garbage | slow | empty
+    metrics: str = "ok"  # ok | garbage | slow | empty | absent
     metrics_delay_ms: float = 2000.0  # how slow "slow" metrics are
     refuse_for_s: float = 0.0  # stop listening for this long (connections refused), then resume
 

@@ -582,6 +582,8 @@ class Instance:
             return web.Response(body=b"\x00\xffnot{prometheus text\n", content_type="text/plain")
         if mode == "empty":
             return web.Response(body=b"", headers={"Content-Type": CONTENT_TYPE})
+        if mode == "absent":  # a server that has no metrics at all (SGLang without --enable-metrics)
+            raise web.HTTPNotFound()
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def tokenize(self, request: web.Request) -> web.Response:

@@ -19,6 +19,7 @@ class Scraped:
     prefix_hits: float | None
     at: float  # monotonic time of the scrape
     prompt_tokens: float | None = None  # vllm:prompt_tokens_total: calibrates bytes per token
+    metrics_less: bool = False  # metrics: auto found no /metrics route: load is the in-flight count
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,6 +134,15 @@ class Registry:
         s = self.backends.get(bid)
         if s is None:
             return
+        was = s.scraped
+        if scraped.metrics_less and (was is None or not was.metrics_less):
+            logger.warning(
+                "backend %s has no /metrics: routed on kvgate's own in-flight counts (set metrics: none "
+                "to say so, or enable its metrics)",
+                bid,
+            )
+        elif was is not None and was.metrics_less and not scraped.metrics_less:
+            logger.warning("backend %s serves /metrics now: its load comes from them again", bid)
         s.scraped, s.last_error = scraped, None
         s.fails, s.oks = 0, s.oks + 1
         if not s.healthy and s.oks >= self.scrape.healthy_after:
@@ -319,6 +328,10 @@ class Registry:
                     "url": s.spec.url,
                     "weight": s.spec.weight,
                     "labels": dict(s.spec.labels),
+                    # metrics as configured; "auto" resolved to "none" while the backend has no /metrics
+                    "metrics": "none"
+                    if s.spec.metrics == "auto" and s.scraped is not None and s.scraped.metrics_less
+                    else s.spec.metrics,
                     "state": s.state,
                     "models": sorted(s.models),
                     "inflight": self.inflight.get(bid, 0),

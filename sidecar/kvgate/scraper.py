@@ -119,20 +119,33 @@ def parse_metrics(text: str, at: float) -> Scraped:
 async def scrape(
     session: aiohttp.ClientSession, url: str, timeout_s: float, metrics: str = "auto"
 ) -> Scraped:
-    """One concurrent /metrics + /health probe within ``timeout_s``. ``metrics: none``: /health only,
-    and a load of zero requests, so the policies see kvgate's own in-flight counts."""
+    """One concurrent /metrics + health probe within ``timeout_s``. ``metrics: none``: health only,
+    and a load of zero requests, so the policies see kvgate's own in-flight counts. ``auto`` treats a
+    server with no ``/metrics`` route at all (404) the same way (SGLang without --enable-metrics,
+    TGI's and llama.cpp's servers without it, mocks); a ``/metrics`` that answers anything else it
+    cannot read is still a failed scrape. Health is ``/health`` answering 200, or, for a server with
+    no ``/health`` route, ``/v1/models`` answering 200."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def get_metrics() -> str:
+    async def get_metrics() -> str | None:
         async with session.get(url + "/metrics", timeout=timeout) as resp:
+            if resp.status == 404 and metrics == "auto":
+                return None
             if resp.status != 200:
                 raise ScrapeError(f"/metrics answered {resp.status}")
             return await resp.text(errors="replace")
 
     async def get_health() -> None:
         async with session.get(url + "/health", timeout=timeout) as resp:
-            if resp.status != 200:
-                raise ScrapeError(f"/health answered {resp.status}")
+            status = resp.status
+        if status == 200:
+            return
+        if status in (404, 405):  # no health route: a server that lists its models is up
+            async with session.get(url + "/v1/models", timeout=timeout) as resp:
+                if resp.status == 200:
+                    return
+                raise ScrapeError(f"/health answered {status}, /v1/models {resp.status}")
+        raise ScrapeError(f"/health answered {status}")
 
     try:
         if metrics == "none":
@@ -141,6 +154,8 @@ async def scrape(
         text, _ = await asyncio.gather(get_metrics(), get_health())
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise ScrapeError(f"{type(exc).__name__}: {exc}") from None
+    if text is None:
+        return Scraped(0.0, 0.0, None, None, None, time.monotonic(), metrics_less=True)
     return parse_metrics(text, time.monotonic())
 
 
