@@ -22,6 +22,7 @@ from redis.retry import Retry
 
 from kvgate.config import Config
 from kvgate.decision_socket import DecisionServer
+from kvgate.discovery import discover_once, discovery_loop
 from kvgate.http_api import HttpApi
 from kvgate.limits import RateLimiter
 from kvgate.membership import AddressPolicy, Membership
@@ -163,6 +164,8 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
     async def control_ctx(app: web.Application) -> AsyncIterator[None]:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=30))
         await membership.seed(config.backends)
+        # Discovered backends join before the first scrape, so a DNS-only fleet serves from the start.
+        owned = [await discover_once(d, membership, set()) for d in config.discovery]
         # One round before serving, so the first decisions see health, load and models.
         await _scrape_round(registry, session, config, 0, metrics, service.tokens)
         tasks = [
@@ -172,6 +175,8 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
             ),
             asyncio.create_task(sessions.refresh_loop(), name="session-ttls"),
         ]
+        for d, ids in zip(config.discovery, owned, strict=True):
+            tasks.append(asyncio.create_task(discovery_loop(d, membership, initial=ids), name=f"dns {d.dns}"))
         if service.queue is not None:
             tasks.append(asyncio.create_task(service.dispatch_loop(), name="gateway-queue"))
         if client is not None:

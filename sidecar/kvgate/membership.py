@@ -31,6 +31,9 @@ class AddressPolicy:
     def __init__(self, config: MembershipConfig, configured: Iterable[BackendSpec]) -> None:
         patterns = config.allow or tuple(sorted({urlsplit(b.url).hostname or "" for b in configured}))
         self.patterns = patterns
+        # Addresses this sidecar resolved itself from its configured discovery names: as trusted as
+        # the config that names them.
+        self.discovered: set[str] = set()
         self._networks = []
         self._names = []
         for p in patterns:
@@ -41,6 +44,8 @@ class AddressPolicy:
 
     def allows(self, spec: BackendSpec) -> bool:
         host = (urlsplit(spec.url).hostname or "").lower()
+        if host in self.discovered:
+            return True
         if any(fnmatch.fnmatchcase(host, name) for name in self._names):
             return True
         try:
@@ -86,6 +91,7 @@ class Membership:
         self.metrics = metrics
         self.local: dict[str, tuple[BackendSpec, bool]] = {}
         self.version: int | None = None
+        self.discovered: set[str] = set()  # ids found through DNS (kvgate.discovery), by any source
 
     def _apply(self) -> None:
         self.registry.set_membership(self.local.values())
@@ -174,9 +180,29 @@ class Membership:
         await self._write(lambda p: p.hdel(self.hash_key, bid))
         return True
 
+    async def sync(self, found: Iterable[BackendSpec], owned: set[str]) -> set[str]:
+        """A discovery round: add the backends it found that are not members yet, remove those of
+        ``owned`` (what this source found last time) that it no longer finds; returns the ids it
+        now owns. Backends from the config or the admin API are never touched."""
+        found_by_id = {s.id: s for s in found}
+        self.discovered = (self.discovered - owned) | found_by_id.keys()
+        if self.policy is not None:
+            self.policy.discovered = {(urlsplit(s.url).hostname or "").lower() for s in found_by_id.values()}
+        for bid in sorted(owned - found_by_id.keys()):
+            logger.warning("backend %s is gone from DNS: removed", bid)
+            await self.remove(bid)
+        for bid, spec in found_by_id.items():
+            if bid not in self.local:
+                logger.warning("backend %s found in DNS: added", bid)
+                await self.put(spec)
+        return set(found_by_id)
+
     async def replace(self, specs: Iterable[BackendSpec]) -> None:
-        """Config reload: exactly these backends, keeping the drain flag of those that stay."""
+        """Config reload: exactly these backends (and those found through DNS, which the discovery
+        rounds own), keeping the drain flag of those that stay."""
         new = {s.id: (s, self.local.get(s.id, (s, False))[1]) for s in specs}
+        for bid in self.discovered & self.local.keys():
+            new.setdefault(bid, self.local[bid])
         gone = [b for b in self.local if b not in new]
         self.local = new
         self._apply()

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from kvgate.config.access import ApiKey, AuthConfig, LimitsConfig, Rate, hash_key
-from kvgate.config.backends import BackendSpec, MembershipConfig
+from kvgate.config.backends import BackendSpec, DiscoverySpec, MembershipConfig
 from kvgate.config.compute import (
     DisaggConfig,
     DispatchOrder,
@@ -38,6 +38,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DisaggConfig",
+    "DiscoverySpec",
     "DispatchOrder",
     "GatewayConfig",
     "LimitsConfig",
@@ -74,6 +75,7 @@ class Config:
     disaggregation: DisaggConfig = field(default_factory=DisaggConfig)
     tokens: TokensConfig = field(default_factory=TokensConfig)
     backends: tuple[BackendSpec, ...] = ()
+    discovery: tuple[DiscoverySpec, ...] = ()  # backends found through DNS, beside the listed ones
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
@@ -98,15 +100,25 @@ class Config:
                 "disaggregation",
                 "tokens",
                 "backends",
+                "discovery",
             },
+        )
+        raw_discovery = data.get("discovery") or []
+        if not isinstance(raw_discovery, list):
+            raise ConfigError("discovery: expected a list of {dns: NAME, port: PORT}")
+        discovery = tuple(
+            DiscoverySpec.from_mapping(d, f"discovery[{i}]") for i, d in enumerate(raw_discovery)
         )
         raw_backends = data.get("backends") or []
         if not isinstance(raw_backends, list):
             raise ConfigError("backends: expected a list of {url: http://HOST:PORT, weight: 1}")
-        if not raw_backends:
+        if not raw_backends and not discovery:
             # Membership can grow at run time (admin API, Redis), but a gateway that starts with
             # nothing to route to is a mistake far more often than a plan.
-            raise ConfigError("backends: none listed; a gateway needs at least one {url: http://HOST:PORT}")
+            raise ConfigError(
+                "backends: none listed; a gateway needs at least one {url: http://HOST:PORT} "
+                "(or a discovery: entry)"
+            )
         backends = tuple(BackendSpec.from_mapping(b, f"backends[{i}]") for i, b in enumerate(raw_backends))
         ids = [b.id for b in backends]
         if len(set(ids)) != len(ids):
@@ -126,6 +138,7 @@ class Config:
             disaggregation=DisaggConfig.from_mapping(section(data, "disaggregation")),
             tokens=TokensConfig.from_mapping(section(data, "tokens")),
             backends=backends,
+            discovery=discovery,
         )
 
     @property

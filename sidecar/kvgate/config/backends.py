@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvgate.config.parse import ConfigError, check_keys, num
+from kvgate.config.parse import ConfigError, check_keys, integer, ms, num
 
 # Backend ids appear in response headers, metric labels, Redis and the prefix index: visible ASCII
 # only, no spaces or control characters.
@@ -91,3 +91,70 @@ class MembershipConfig:
                 except ValueError:
                     raise ConfigError(f"{w}.allow: {pattern!r} is not a CIDR block like 10.0.0.0/8") from None
         return cls(tuple(allow))
+
+
+# A DNS name: letters, digits, hyphens and dots (a headless Service's name in Kubernetes).
+DNS_NAME = re.compile(
+    r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoverySpec:
+    """Backends found by resolving a DNS name: each address it resolves to is one backend at
+    ``scheme://address:port`` (a Kubernetes headless Service resolves to the addresses of its ready
+    pods). Every sidecar resolves the same name, so replicas agree without coordinating; addresses
+    that appear are added, those that disappear are removed, each within ``interval``."""
+
+    dns: str
+    port: int
+    scheme: str = "http"
+    interval_s: float = 10.0
+    timeout_s: float = 2.0
+    weight: float = 1.0
+    labels: Mapping[str, str] = field(default_factory=dict)
+    metrics: str = "auto"
+
+    def spec(self, address: str) -> BackendSpec:
+        host = f"[{address}]" if ":" in address else address
+        return BackendSpec(
+            id=f"{self.dns.rstrip('.')}@{host}:{self.port}",
+            url=f"{self.scheme}://{host}:{self.port}",
+            weight=self.weight,
+            labels=self.labels,
+            metrics=self.metrics,
+        )
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], where: str) -> DiscoverySpec:
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where}: expected {{dns: NAME, port: PORT}}")
+        check_keys(
+            data, where, {"dns", "port", "scheme", "interval_ms", "timeout_ms", "weight", "labels", "metrics"}
+        )
+        name = data.get("dns")
+        if not isinstance(name, str) or not DNS_NAME.fullmatch(name):
+            raise ConfigError(
+                f"{where}.dns: {name!r} is not a DNS name (e.g. vllm.default.svc.cluster.local)"
+            )
+        if "port" not in data:
+            raise ConfigError(f"{where}.port: required (the port every resolved address serves on)")
+        scheme = data.get("scheme", "http")
+        if scheme not in ("http", "https"):
+            raise ConfigError(f"{where}.scheme: {scheme!r}; choose http or https")
+        labels = data.get("labels") or {}
+        if not isinstance(labels, Mapping):
+            raise ConfigError(f"{where}.labels: expected a mapping of label: value")
+        metrics = data.get("metrics", "auto")
+        if metrics not in METRICS_MODES:
+            raise ConfigError(f"{where}.metrics: {metrics!r}; choose one of {', '.join(METRICS_MODES)}")
+        return cls(
+            dns=name,
+            port=integer(data, where, "port", 8000, 1, 65535),
+            scheme=scheme,
+            interval_s=ms(data, where, "interval_ms", 10_000, 500, 3_600_000),
+            timeout_s=ms(data, where, "timeout_ms", 2_000, 50, 30_000),
+            weight=num(data, where, "weight", 1.0, 0.01, 1000.0),
+            labels={str(k): str(v) for k, v in labels.items()},
+            metrics=metrics,
+        )

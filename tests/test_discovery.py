@@ -1,0 +1,113 @@
+"""Backends from DNS (a Kubernetes headless Service): the config, one round at a time against a
+resolver the test controls, and a real gateway whose only backends come from resolving a name."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from kvgate.config import Config, ConfigError
+from kvgate.discovery import discover_once
+from kvgate.membership import AddressPolicy, Membership
+from kvgate.sidecar import build_sidecar
+from kvgate.tools.launcher import Supervisor, free_port
+
+from tests.conftest import MODEL, http_json, wait_until
+from tests.helpers import Gateway, start_backends
+
+DNS = {"dns": "vllm.default.svc.cluster.local", "port": 8000}
+
+
+def test_the_config_takes_discovery_in_place_of_a_backend_list() -> None:
+    c = Config.from_mapping({"discovery": [{**DNS, "labels": {"pool": "long"}, "interval_ms": 5000}]}, {})
+    d = c.discovery[0]
+    assert (d.dns, d.port, d.interval_s, c.backends) == (DNS["dns"], 8000, 5.0, ())
+    spec = d.spec("10.1.2.3")
+    assert (spec.id, spec.url, dict(spec.labels)) == (
+        "vllm.default.svc.cluster.local@10.1.2.3:8000",
+        "http://10.1.2.3:8000",
+        {"pool": "long"},
+    )
+    assert d.spec("fd00::7").url == "http://[fd00::7]:8000"
+    for bad, says in (
+        ({"dns": "bad name!", "port": 1}, "not a DNS name"),
+        ({"dns": "vllm"}, "port: required"),
+        ({**DNS, "scheme": "ftp"}, "scheme"),
+        ({**DNS, "what": 1}, "what"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            Config.from_mapping({"discovery": [bad]}, {})
+    with pytest.raises(ConfigError, match="or a discovery: entry"):
+        Config.from_mapping({"backends": []}, {})
+
+
+def test_rounds_add_what_appears_remove_what_goes_and_survive_a_failed_lookup() -> None:
+    config = Config.from_mapping(
+        {"backends": [{"id": "static", "url": "http://10.9.9.9:8000"}], "discovery": [DNS]}, {}
+    )
+    core = build_sidecar(config, None)
+    policy = AddressPolicy(config.membership, config.backends)
+    membership = Membership(None, "t", core.registry, core.metrics, policy)
+    answers: list[list[str] | Exception] = [
+        ["10.0.0.1", "10.0.0.2"],
+        ["10.0.0.2", "10.0.0.3"],
+        OSError("SERVFAIL"),
+        [],
+    ]
+
+    async def resolver(name: str, port: int) -> list[str]:
+        assert (name, port) == (DNS["dns"], 8000)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def hosts() -> set[str]:
+        return {bid.split("@")[-1] for bid in core.registry.backends if "@" in bid}
+
+    async def scenario() -> None:
+        await membership.seed(config.backends)
+        d = config.discovery[0]
+        owned = await discover_once(d, membership, set(), resolver)
+        assert hosts() == {"10.0.0.1:8000", "10.0.0.2:8000"} and "static" in core.registry.backends
+        # Discovered addresses pass the address policy (whose allow list is the config's hosts).
+        assert policy.allows(d.spec("10.0.0.2")) and not policy.allows(d.spec("10.0.0.99"))
+        owned = await discover_once(d, membership, owned, resolver)
+        assert hosts() == {"10.0.0.2:8000", "10.0.0.3:8000"}
+        owned = await discover_once(d, membership, owned, resolver)  # lookup failed: nothing moves
+        assert hosts() == {"10.0.0.2:8000", "10.0.0.3:8000"}
+        await membership.replace(config.backends)  # a config reload keeps what DNS found
+        assert hosts() == {"10.0.0.2:8000", "10.0.0.3:8000"}
+        owned = await discover_once(d, membership, owned, resolver)  # the Service has no ready pods
+        assert hosts() == set() and owned == set() and set(core.registry.backends) == {"static"}
+
+    asyncio.run(scenario())
+
+
+def test_a_gateway_routes_to_backends_it_found_by_resolving_a_name(tmp_path: Path) -> None:
+    """No backend listed: the sidecar resolves `localhost` (as it would a headless Service) and the
+    simulator on its port serves the requests the real Nginx sends."""
+    stack = Supervisor(tmp_path / "run")
+    try:
+        redis_port = free_port()
+        stack.start_redis(redis_port)
+        sim = start_backends(stack, 1)
+        gw = Gateway(
+            stack,
+            "gw",
+            redis_port,
+            sim,
+            0,
+            extra={"discovery": [{"dns": "localhost", "port": sim, "interval_ms": 500}]},
+        )
+        expected = f"localhost@127.0.0.1:{sim}"
+        wait_until(lambda: gw.sidecar.backends().get(expected, {}).get("state") == "healthy", timeout=10)
+        body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "found by DNS"}]}
+        for _ in range(3):
+            status, _ = http_json("POST", gw.url + "/v1/chat/completions", body)
+            assert status == 200
+        wait_until(lambda: gw.sidecar.backends()[expected]["inflight"] == 0, timeout=2)  # reports arrive
+        assert http_json("GET", gw.url + "/kvgate/health")[1]["eligible_backends"] >= 1
+    finally:
+        stack.stop_all()

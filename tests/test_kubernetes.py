@@ -1,0 +1,96 @@
+"""deploy/kubernetes, checked without a cluster: every manifest passes Kubernetes' own schemas
+(kubernetes-validate, strict), and the pieces agree with each other and with the images: the
+sidecar's config parses with the Secret's variables, its socket is the one the gateway image's Nginx
+was rendered with, the probes name ports and routes that exist, the Service and the disruption budget
+select the pods, and discovery resolves the headless Service."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kvgate.config import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "kubernetes"
+KUBERNETES_VERSION = "1.31.0"
+
+
+def manifests() -> dict[str, dict[str, Any]]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    out: dict[str, dict[str, Any]] = {}
+    for name in kustomization["resources"]:
+        doc = yaml.safe_load((K8S / name).read_text())
+        out[doc["kind"] + "/" + doc["metadata"]["name"]] = doc
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"))
+def test_each_manifest_passes_the_kubernetes_schema(name: str) -> None:
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "kubernetes-validate"),
+            "--strict",
+            "-k",
+            KUBERNETES_VERSION,
+            str(K8S / name),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "passed" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_kustomization_lists_every_manifest() -> None:
+    listed = set(yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"])
+    assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+
+
+def test_the_pieces_agree_with_each_other_and_with_the_images() -> None:
+    m = manifests()
+    deploy = m["Deployment/kvgate"]
+    pod = deploy["spec"]["template"]
+    containers = {c["name"]: c for c in pod["spec"]["containers"]}
+    # The sidecar's config parses, with the variables the Secret gives it.
+    secret = m["Secret/kvgate-redis"]["stringData"]
+    config = Config.from_mapping(yaml.safe_load(m["ConfigMap/kvgate-config"]["data"]["kvgate.yaml"]), secret)
+    assert config.redis.url == secret["KVGATE_REDIS_URL"]
+    # Its socket is where the gateway image's Nginx looks (docker/kvgate.yaml rendered it), on the
+    # volume both containers mount.
+    rendered = yaml.safe_load((ROOT / "docker" / "kvgate.yaml").read_text())["listen"]["socket"]
+    assert config.listen.socket == rendered
+    mounts = {c: {v["mountPath"] for v in containers[c]["volumeMounts"]} for c in ("gateway", "sidecar")}
+    assert all(str(Path(rendered).parent) in paths for paths in mounts.values())
+    # Probes: the gateway's on vLLM's /health and Nginx's own; the sidecar's on its metrics listener
+    # (the loopback API is unreachable from the kubelet).
+    gw = containers["gateway"]
+    assert gw["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert gw["livenessProbe"]["httpGet"]["path"] == "/kvgate/health"
+    sc = containers["sidecar"]
+    ports = {p["name"]: p["containerPort"] for p in sc["ports"]}
+    assert ports[sc["readinessProbe"]["httpGet"]["port"]] == config.listen.metrics_port
+    assert sc["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(config.listen.metrics_port)
+    assert sc["args"][:2] == ["kvgate", "sidecar"]
+    # Unprivileged, as the images are built.
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["securityContext"]["runAsUser"] == 10001
+    # The Service and the disruption budget select the pods; the budget leaves room to drain a node.
+    labels = pod["metadata"]["labels"]
+    for kind in ("Service/kvgate", "PodDisruptionBudget/kvgate"):
+        spec = m[kind]["spec"]
+        selector = spec["selector"].get("matchLabels", spec["selector"])
+        assert selector.items() <= labels.items(), kind
+    assert m["PodDisruptionBudget/kvgate"]["spec"]["minAvailable"] < deploy["spec"]["replicas"]
+    # Discovery resolves the headless Service, on the port its vLLM pods serve.
+    headless = m["Service/vllm-headless"]["spec"]
+    assert headless["clusterIP"] == "None"
+    (d,) = config.discovery
+    assert d.dns == "vllm-headless" and d.port == headless["ports"][0]["port"]
+    # Discovered pod addresses are allowed by the membership policy's network.
+    assert config.membership.allow
