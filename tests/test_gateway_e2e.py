@@ -14,6 +14,7 @@ import openai
 import pytest
 from kvgate.tools.launcher import Supervisor, free_port
 
+from tests import scenarios
 from tests.conftest import MODEL, http_json, wait_until
 from tests.helpers import Gateway, chat, start_backends
 
@@ -129,6 +130,11 @@ def test_openai_client_chat_and_completions_stream_and_not(env: Env) -> None:
     assert "".join(x.choices[0].text for x in s) == t.choices[0].text
     models = c.models.list()
     assert [m.id for m in models.data] == [MODEL]
+
+
+def test_the_shared_client_scenario_passes_on_local_processes(env: Env) -> None:
+    """The scenario tests/test_containers.py runs against the container stack."""
+    scenarios.a_client_session(env.gw.url, MODEL)
 
 
 def test_streaming_is_not_buffered(env: Env) -> None:
