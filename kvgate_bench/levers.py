@@ -69,6 +69,15 @@ LEVERS = {
             )
             for seconds in (30, 60, 120)
         ),
+        *(
+            Lever(
+                f"+queue-tight-shortest-fair-{multiple}x",
+                PolicyName.KVGATE,
+                {**NO_LEARN, "queue": queue("shortest", ageing_ms=600_000, ageing_fair_share=multiple)},
+                TIGHT,
+            )
+            for multiple in (2, 4)
+        ),
         Lever("+pools", PolicyName.KVGATE, NO_LEARN, pools=True),
         Lever("+priority", PolicyName.KVGATE, PRIORITY, priority=True),
         Lever("+priority-tight", PolicyName.KVGATE, PRIORITY, TIGHT, priority=True),

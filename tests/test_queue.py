@@ -51,6 +51,26 @@ def test_shortest_first_with_ageing_bounds_how_long_a_long_prompt_waits() -> Non
     assert order(q) == ["long", "tiny", "short", "mid"]
 
 
+def test_ageing_by_fair_share_lets_a_long_prompt_wait_at_most_a_multiple_of_what_fcfs_would_give() -> None:
+    """Dispatching one request a second, a long prompt that joins behind 4 others would wait about 4 s
+    first come first served; with ageing_fair_share 2 it goes first once it has waited 8 s, long
+    before the fixed 60 s ageing."""
+    q, clock = queue(order=DispatchOrder.SHORTEST, ageing_s=60.0, ageing_fair_share=2.0)
+    for i in range(60):  # a steady rate of one dispatch a second (the estimate has settled)
+        w = waiting(q, f"warm{i}")
+        clock.t += 1
+        q.dispatched(w)
+    for i in range(4):
+        waiting(q, f"ahead{i}", tokens=10)
+    long = waiting(q, "long", tokens=50_000)
+    assert 3.0 < long.fair_s < 5.0  # 4 ahead at about one a second
+    clock.t += 0.9 * 2 * long.fair_s
+    waiting(q, "short", tokens=5)
+    assert order(q)[-1] == "long"  # the four ahead had little FCFS wait to give: they age sooner
+    clock.t += 0.2 * 2 * long.fair_s
+    assert order(q)[-2:] == ["long", "short"]
+
+
 def test_a_full_queue_refuses_with_a_retry_after_from_the_dispatch_rate() -> None:
     q, clock = queue(max_size=3)
     ws = [waiting(q, f"w{i}") for i in range(3)]

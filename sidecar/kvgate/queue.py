@@ -7,8 +7,9 @@ must wait and dispatches them; Nginx holds the request itself (its connection to
 open while it waits, with a heartbeat, so a sidecar that dies never strands it).
 
 Order: lower priority value first (vLLM's sense), then by the configured order: first come first
-served, or shortest estimated prompt first with ageing (a request that waited ``ageing_s`` goes ahead
-of every younger one, in arrival order). Bounds: ``max_size`` waiting requests (past it a new one is
+served, or shortest estimated prompt first with ageing (a request that waited ``ageing_s``, or
+``ageing_fair_share`` times the wait first come first served would have given it, goes ahead of every
+younger one, in arrival order). Bounds: ``max_size`` waiting requests (past it a new one is
 refused) and ``max_wait_s`` (past it a waiting one is refused); both answers say when to retry.
 
 Several replicas each run their own queue over the same backends. That they do not all pour into
@@ -50,6 +51,7 @@ class Waiting:
     priority: int
     arrived: float
     tokens: int  # estimated prompt tokens, the shortest-first key
+    fair_s: float = math.inf  # the wait FCFS would have given it (set when it joins the queue)
     # Live: the request's answer (a Routed, or QueueTimeout); None in virtual time.
     future: asyncio.Future[object] | None = field(default=None, repr=False)
 
@@ -71,6 +73,8 @@ class GatewayQueue:
     def add(self, w: Waiting) -> None:
         if len(self._waiting) >= self.config.max_size:
             raise QueueFull(self.retry_after())
+        if self._rate > 0:
+            w.fair_s = len(self._waiting) / self._rate
         self._waiting[w.decision_id] = w
 
     def remove(self, decision_id: str) -> Waiting | None:
@@ -98,14 +102,17 @@ class GatewayQueue:
     def in_order(self) -> list[Waiting]:
         """Waiting requests in dispatch order."""
         now = self.clock()
-        ageing = self.config.ageing_s
+        ageing, multiple = self.config.ageing_s, self.config.ageing_fair_share
+
+        def aged(w: Waiting) -> bool:
+            waited = now - w.arrived
+            return waited >= ageing or (multiple is not None and waited >= multiple * w.fair_s)
+
         if self.config.order is DispatchOrder.SHORTEST:
             return sorted(
                 self._waiting.values(),
                 key=lambda w: (
-                    (w.priority, 0, w.arrived, 0)
-                    if now - w.arrived >= ageing
-                    else (w.priority, 1, w.tokens, w.arrived)
+                    (w.priority, 0, w.arrived, 0) if aged(w) else (w.priority, 1, w.tokens, w.arrived)
                 ),
             )
         return sorted(self._waiting.values(), key=lambda w: (w.priority, w.arrived))

@@ -157,7 +157,7 @@ class DecisionService:
             return self._routed(did, policy, plan, priority)
         if self.queue is not None and self._must_wait(plan):
             live = asyncio.get_running_loop().create_future() if self._wake is not None else None
-            waiting = Waiting(did, f, policy, priority, self.queue.clock(), f.est_tokens, live)
+            waiting = Waiting(did, f, policy, priority, self.queue.clock(), f.est_tokens, future=live)
             try:
                 self.queue.add(waiting)
             except QueueFull:

@@ -31,6 +31,10 @@ class QueueConfig:
     # on the trace at 3x overload (mean 0.34x round robin with p99 below round robin's; 10 s turns
     # into FCFS there, 120 s doubles the longest prompts' p99).
     ageing_s: float = 60.0
+    # Also age a request once it has waited this multiple of its fair share: the wait first come
+    # first served would have given it (the queue ahead of it at arrival over the dispatch rate).
+    # None: the fixed ageing_s alone.
+    ageing_fair_share: float | None = None
     client_priority: bool = False  # honour priorities clients send (body ``priority``, X-Priority)
     # Write the request's priority into its body for vLLM (backends run --scheduling-policy
     # priority; others refuse a non-zero priority).
@@ -49,6 +53,7 @@ class QueueConfig:
                 "max_wait_ms",
                 "order",
                 "ageing_ms",
+                "ageing_fair_share",
                 "client_priority",
                 "forward_priority",
                 "heartbeat_ms",
@@ -66,6 +71,9 @@ class QueueConfig:
             max_wait_s=ms(d, w, "max_wait_ms", 60_000, 10, 3_600_000),
             order=dispatch,
             ageing_s=ms(d, w, "ageing_ms", 60_000, 1, 3_600_000),
+            ageing_fair_share=None
+            if d.get("ageing_fair_share") is None
+            else num(d, w, "ageing_fair_share", 2.0, 1.0, 1000.0),
             client_priority=boolean(d, w, "client_priority", False),
             forward_priority=boolean(d, w, "forward_priority", False),
             heartbeat_s=ms(d, w, "heartbeat_ms", 500, 50, 10_000),
