@@ -8,6 +8,7 @@ the same for every gateway. Targets, side by side:
 - ``plain``: Nginx ``proxy_pass``, 2 workers, upstream keepalive;
 - ``kvgate``: the gateway (Lua reads, checks and hashes the body, asks the sidecar, the balancer
   applies the pick, the log phase reports), 2 workers, its sidecar;
+- ``kvgate-uvloop``: the same, its sidecar on uvloop (``--event-loop uvloop``; with ``--uvloop``);
 - ``vllm-router:round_robin`` and ``vllm-router:cache_aware``, from the benchmark's own virtualenv
   (skipped with a printed reason when it cannot be installed).
 
@@ -329,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--concurrent-requests", type=int, default=2000, help="per target and size")
     p.add_argument("--no-peers", action="store_true", help="only the plain proxy and kvgate")
+    p.add_argument("--uvloop", action="store_true", help="also kvgate with its sidecar on uvloop")
     p.add_argument("--phase-iterations", type=int, default=300, help="per size, for the per-phase breakdown")
     p.add_argument("--out", default="bench-results/gateway-overhead")
     args = p.parse_args(argv)
@@ -340,6 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     nginx = find_nginx()
     results: dict[str, Any] = {"args": vars(args), "notes": [], "sizes": {}}
     peers: list[str] = []
+    others: list[Supervisor] = []  # more gateways' supervisors (--uvloop)
     if not args.no_peers:
         if ensure_peer_venv() is None:
             results["notes"].append("vllm-router skipped: it could not be installed")
@@ -382,6 +385,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parts={"nginx": tree(replica.nginx_name), "sidecar": tree(replica.sidecar_name)},
             ),
         ]
+        if args.uvloop:
+            # A second gateway, its own supervisor (for its sidecar's argument) and run dir.
+            uv = Supervisor(run / "uvloop", sidecar_args=("--event-loop", "uvloop"))
+            others.append(uv)
+            uv_socket = uv.run_dir / "sidecar.sock"
+            uv_port = free_port()
+            uv_replica = launch_replica(
+                uv,
+                "gateway",
+                {**cfg, "listen": {"socket": str(uv_socket), "http_port": free_port()}},
+                NginxSettings(
+                    listen=f"127.0.0.1:{uv_port}", socket=str(uv_socket), run_dir=str(uv.run_dir), workers=2
+                ),
+            )
+
+            def uv_tree(name: str) -> Callable[[], list[int]]:
+                return lambda: process_tree(uv.procs[name].pid) if name in uv.procs else []
+
+            targets.append(
+                Target(
+                    "kvgate-uvloop",
+                    uv_port,
+                    lambda: uv_tree(uv_replica.sidecar_name)() + uv_tree(uv_replica.nginx_name)(),
+                    parts={
+                        "nginx": uv_tree(uv_replica.nginx_name),
+                        "sidecar": uv_tree(uv_replica.sidecar_name),
+                    },
+                )
+            )
         for peer in peers:
             targets.append(start_peer(sup, peer, backend))
         for size in args.sizes:
@@ -422,6 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
     finally:
+        for other in others:
+            other.stop_all()
         sup.stop_all()
     report.write_json(out / "gateway-overhead.json", results)
     head = report.header(["overhead", *(sys.argv[1:] if argv is None else argv)])

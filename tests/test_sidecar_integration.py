@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import redis
@@ -213,3 +214,30 @@ def test_hostile_bytes_on_the_socket_get_an_error_and_the_sidecar_lives(stack: S
     assert c.decide_body(chat(1, 1)).candidates
     c.close()
     assert stack.alive()[sc.name]
+
+
+def test_a_sidecar_on_uvloop_decides_like_one_on_asyncio(tmp_path: Path, redis_port: int) -> None:
+    """`kvgate sidecar --event-loop uvloop` serves the socket and the HTTP API; its decisions agree
+    with an asyncio sidecar's on the same Redis."""
+    import os
+
+    uv_stack = Supervisor(tmp_path / "uv", sidecar_args=("--event-loop", "uvloop"))
+    plain_stack = Supervisor(tmp_path / "plain")
+    try:
+        sim = start_backends(plain_stack, 3)
+        uv = start_sidecar(uv_stack, "uv", redis_port, sim, 3)
+        plain = start_sidecar(plain_stack, "plain", redis_port, sim, 3)
+        pid = http_json("GET", uv.http + "/healthz")[1]["pid"]
+        with open(f"/proc/{pid}/maps") as maps:
+            assert "uvloop" in maps.read()  # the loop really is libuv's
+        cu, cp = uv.client(), plain.client()
+        for i in range(20):
+            body = {"model": "sim-model", "messages": [{"role": "user", "content": f"uv {i}"}]}
+            first = cu.decide_body(body, {"X-Session-ID": f"uv{i}"})
+            assert cp.decide_body(body, {"X-Session-ID": f"uv{i}"}).candidates[0] == first.candidates[0]
+        cu.close()
+        cp.close()
+        assert os.path.exists(uv.socket)
+    finally:
+        uv_stack.stop_all()
+        plain_stack.stop_all()

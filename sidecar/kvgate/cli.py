@@ -30,6 +30,15 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvgate: invalid config: {exc}", file=sys.stderr)
         return 2
+    if args.event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            print("kvgate: --event-loop uvloop needs uvloop: pip install 'kvgate[fast]'", file=sys.stderr)
+            return 2
+        with contextlib.suppress(KeyboardInterrupt):
+            uvloop.run(serve(config, args.config))
+        return 0
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(config, args.config))
     return 0
@@ -99,6 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("sidecar", help="run the routing sidecar")
     s.add_argument("--config", required=True)
+    s.add_argument(
+        "--event-loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="uvloop (libuv) instead of asyncio's own loop (needs kvgate[fast])",
+    )
     logs.add_arguments(s)
     s.set_defaults(func=cmd_sidecar)
     u = sub.add_parser("up", help="run the whole stack as local processes (demo, or --config for real vLLM)")
