@@ -519,7 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def soak(stack: Stack, seconds: float, concurrency: int) -> dict[str, Any]:
     """Load with faults cycling through the scenarios for ``seconds`` (those that replace a gateway
     process left out); every request classified; the resident memory of the sidecar and each Nginx
-    process after a warm-up and at the end."""
+    process after a warm-up and at the end; the sidecar's live objects by type after the warm-up and
+    once the load has stopped."""
     cycle = [s for s in SCENARIOS.values() if not s.total_outage and not s.replaces_gateway]
     with Load(stack.port, concurrency) as load:
         time.sleep(30)
@@ -543,8 +544,11 @@ def soak(stack: Stack, seconds: float, concurrency: int) -> dict[str, Any]:
             i += 1
         end_rss = {pid: rss_kb([pid]) for pid in pids}
         samples.append((round(time.monotonic() - t0), rss_kb(pids)))
-        last = stack.sidecar_memory(objects=True)
-        structures.append((round(time.monotonic() - t0), last.get("structures", {})))
+    # The closing heap walk once the load has stopped and its connections have closed, so that what
+    # it counts is what stays, not what was in use at that instant.
+    time.sleep(3)
+    last = stack.sidecar_memory(objects=True)
+    structures.append((round(time.monotonic() - t0), last.get("structures", {})))
     lived = [pid for pid in pids if end_rss[pid] > 0]
     start, end = sum(start_rss[p] for p in lived), sum(end_rss[p] for p in lived)
     failures: dict[str, int] = {}

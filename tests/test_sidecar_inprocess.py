@@ -309,6 +309,7 @@ def test_debug_memory_names_every_bounded_structure_beside_its_bound(redis_url: 
             assert s["local_sessions"] == s["decisions_in_flight"] == s["queue_waiting"] == 0
             full = await (await client.get("/debug/memory?objects=1", headers=ok)).json()
             assert full["objects"]["dict"] > 100  # a heap walk counted the live objects by type
+            assert full["collected"] >= 0 and any("line" in site for site in full["coroutines"])
 
     run(scenario())
 

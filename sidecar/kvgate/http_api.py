@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import gc
 import hmac
+import inspect
 import os
 import time
 import tracemalloc
@@ -225,13 +226,25 @@ class HttpApi:
         return web.json_response({"reloaded": True, "backends": sorted(self.registry.backends)})
 
     async def memory(self, request: web.Request) -> web.Response:
-        """Resident memory, the fill of every bounded structure, and with ``?objects=1`` the most
-        numerous live object types (a full heap walk: slow, for diagnosis only). With the sidecar
+        """Resident memory, the fill of every bounded structure, and with ``?objects=1`` (a garbage
+        collection, then a full heap walk: slow, for diagnosis only) the most numerous live object
+        types and where suspended coroutines wait. With the sidecar
         started under ``PYTHONTRACEMALLOC``, the allocation sites holding the most memory."""
         body: dict[str, Any] = {"rss_kb": _rss_kb(), "structures": self.service.sizes()}
         if request.query.get("objects") == "1":
-            counts = collections.Counter(type(o).__name__ for o in gc.get_objects())
+            # Collect first: uncollected cyclic garbage (closed connections, exceptions with their
+            # tracebacks) would otherwise count as live objects.
+            body["collected"] = gc.collect()
+            live = gc.get_objects()
+            counts = collections.Counter(type(o).__name__ for o in live)
             body["objects"] = dict(counts.most_common(25))
+            # Where suspended coroutines wait: a pile-up at one line is a stuck await.
+            waits = collections.Counter(
+                f"{o.cr_code.co_qualname} line {o.cr_frame.f_lineno}"
+                for o in live
+                if inspect.iscoroutine(o) and o.cr_frame is not None
+            )
+            body["coroutines"] = dict(waits.most_common(10))
         if tracemalloc.is_tracing():
             stats = tracemalloc.take_snapshot().statistics("lineno")[:25]
             body["allocations"] = [
