@@ -307,9 +307,8 @@ def test_debug_memory_names_every_bounded_structure_beside_its_bound(redis_url: 
             assert s["local_sessions_bound"] == cfg.redis.local_sessions
             assert s["prefix_index_bound"] == cfg.routing.prefix_index_blocks
             assert s["local_sessions"] == s["decisions_in_flight"] == s["queue_waiting"] == 0
-            full = await (await client.get("/debug/memory?objects=1", headers=ok)).json()
-            assert full["objects"]["dict"] > 100  # a heap walk counted the live objects by type
-            assert full["collected"] >= 0 and any("line" in site for site in full["coroutines"])
+            # ?objects=1 (a collection and a heap walk) is tested against a sidecar process of its
+            # own (test_sidecar_integration): here it would walk the whole test session's heap.
 
     run(scenario())
 

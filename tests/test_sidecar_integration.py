@@ -235,6 +235,11 @@ def test_a_sidecar_on_uvloop_decides_like_one_on_asyncio(tmp_path: Path, redis_p
             body = {"model": "sim-model", "messages": [{"role": "user", "content": f"uv {i}"}]}
             first = cu.decide_body(body, {"X-Session-ID": f"uv{i}"})
             assert cp.decide_body(body, {"X-Session-ID": f"uv{i}"}).candidates[0] == first.candidates[0]
+        # The memory diagnosis on a real process: a collection, the live objects by type, and where
+        # the suspended coroutines wait (the socket's readers among them).
+        status, full = plain.admin("GET", "/debug/memory?objects=1")
+        assert status == 200 and full["objects"]["dict"] > 100 and full["collected"] >= 0
+        assert full["coroutines"] and all(" line " in site for site in full["coroutines"])
         cu.close()
         cp.close()
         assert os.path.exists(uv.socket)
