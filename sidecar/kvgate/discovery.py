@@ -13,7 +13,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 
-from kvgate.config import BackendSpec, DiscoverySpec
+from kvgate.config import DiscoverySpec
 from kvgate.membership import Membership
 
 logger = logging.getLogger(__name__)
@@ -27,10 +27,6 @@ async def resolve(name: str, port: int) -> list[str]:
     return sorted({str(info[4][0]) for info in infos})
 
 
-def found(spec: DiscoverySpec, addresses: list[str]) -> list[BackendSpec]:
-    return [spec.spec(a) for a in addresses]
-
-
 async def discover_once(
     spec: DiscoverySpec, membership: Membership, owned: set[str], resolver: Resolver = resolve
 ) -> set[str]:
@@ -42,7 +38,7 @@ async def discover_once(
             "discovery: resolving %s failed (%s); keeping %d backend(s)", spec.dns, exc, len(owned)
         )
         return owned
-    return await membership.sync(found(spec, addresses), owned)
+    return await membership.sync([spec.spec(a) for a in addresses], owned)
 
 
 async def discovery_loop(

@@ -17,6 +17,17 @@ BACKEND_ID = re.compile(r"[A-Za-z0-9._:@/+\-\[\]]{1,128}")
 METRICS_MODES = ("auto", "vllm", "sglang", "none")
 
 
+def _labels_and_metrics(data: Mapping[str, Any], where: str) -> tuple[dict[str, str], str]:
+    """A backend's labels and metrics mode, as a listed backend and a discovery entry both give them."""
+    labels = data.get("labels") or {}
+    if not isinstance(labels, Mapping):
+        raise ConfigError(f"{where}.labels: expected a mapping of label: value")
+    metrics = data.get("metrics", "auto")
+    if metrics not in METRICS_MODES:
+        raise ConfigError(f"{where}.metrics: {metrics!r}; choose one of {', '.join(METRICS_MODES)}")
+    return {str(k): str(v) for k, v in labels.items()}, str(metrics)
+
+
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
     id: str
@@ -51,17 +62,12 @@ class BackendSpec:
                 f"{where}.id: {bid!r} must be 1-128 letters, digits or ._:@/+-[] (it names the backend in "
                 "headers and metrics)"
             )
-        labels = data.get("labels") or {}
-        if not isinstance(labels, Mapping):
-            raise ConfigError(f"{where}.labels: expected a mapping of label: value")
-        metrics = data.get("metrics", "auto")
-        if metrics not in METRICS_MODES:
-            raise ConfigError(f"{where}.metrics: {metrics!r}; choose one of {', '.join(METRICS_MODES)}")
+        labels, metrics = _labels_and_metrics(data, where)
         return cls(
             id=bid,
             url=url.rstrip("/"),
             weight=num(data, where, "weight", 1.0, 0.01, 1000.0),
-            labels={str(k): str(v) for k, v in labels.items()},
+            labels=labels,
             metrics=metrics,
         )
 
@@ -142,12 +148,7 @@ class DiscoverySpec:
         scheme = data.get("scheme", "http")
         if scheme not in ("http", "https"):
             raise ConfigError(f"{where}.scheme: {scheme!r}; choose http or https")
-        labels = data.get("labels") or {}
-        if not isinstance(labels, Mapping):
-            raise ConfigError(f"{where}.labels: expected a mapping of label: value")
-        metrics = data.get("metrics", "auto")
-        if metrics not in METRICS_MODES:
-            raise ConfigError(f"{where}.metrics: {metrics!r}; choose one of {', '.join(METRICS_MODES)}")
+        labels, metrics = _labels_and_metrics(data, where)
         return cls(
             dns=name,
             port=integer(data, where, "port", 8000, 1, 65535),
@@ -155,6 +156,6 @@ class DiscoverySpec:
             interval_s=ms(data, where, "interval_ms", 10_000, 500, 3_600_000),
             timeout_s=ms(data, where, "timeout_ms", 2_000, 50, 30_000),
             weight=num(data, where, "weight", 1.0, 0.01, 1000.0),
-            labels={str(k): str(v) for k, v in labels.items()},
+            labels=labels,
             metrics=metrics,
         )
