@@ -136,3 +136,9 @@ class Gateway:
 
     def start_nginx(self) -> None:
         self.replica.start_nginx()
+
+
+def inflight(gw: Gateway) -> tuple[int, int]:
+    """The fleet's requests and prompt tokens in flight, as the gateway's sidecar counts them."""
+    backends = gw.sidecar.backends().values()
+    return sum(b["inflight"] for b in backends), sum(b["inflight_tokens"] for b in backends)

@@ -45,6 +45,8 @@ def test_environment_overrides_the_file() -> None:
         ({"redis": {"url": "http://x"}}, "redis.url"),
         ({"backends": [{"url": "http://a:1"}, {"url": "http://a:1"}]}, "share an id"),
         ({"extra": 1}, "unknown key(s) extra"),
+        ({"gateway": {"retry_statuses": [500, 501]}}, "gateway.retry_statuses"),
+        ({"gateway": {"retry_statuses": "500"}}, "gateway.retry_statuses"),
     ],
 )
 def test_bad_values_are_named_with_a_fix(data: dict[str, object], needle: str) -> None:
@@ -58,6 +60,7 @@ def test_example_config_in_the_repo_is_valid() -> None:
 
     c = Config.from_file(Path(__file__).parents[1] / "kvgate.example.yaml", env={})
     assert len(c.backends) >= 1
+    assert c.gateway.retry_statuses == (429, 500, 502, 503, 504)
 
 
 @pytest.mark.parametrize("bid", ["a b", "x\x1fy", "sim\n0", "é", "x" * 129])

@@ -16,7 +16,7 @@ from kvgate.tools.launcher import Supervisor, free_port
 
 from tests import scenarios
 from tests.conftest import MODEL, http_json, wait_until
-from tests.helpers import Gateway, chat, start_backends
+from tests.helpers import Gateway, chat, inflight, start_backends
 
 pytestmark = pytest.mark.e2e
 ROUTES = {"session", "prefix", "ring", "load", "fail-open"}  # X-Kvgate-Route under the kvgate policy
@@ -221,6 +221,31 @@ def test_backend_down_before_the_request_is_retried_elsewhere(fresh: Env) -> Non
     fresh.fault(other, fail_rate=1.0, fail_status=503)
     r = post(fresh.gw.url, chat(1, 3), headers)
     assert r.status_code == 200 and r.headers["X-Kvgate-Backend"] not in (other,)
+
+
+@pytest.mark.parametrize("status", [500, 429])
+def test_a_backend_failing_every_request_is_never_seen_by_clients(fresh: Env, status: int) -> None:
+    """A backend that answers every request with a 500 (an engine that broke but still serves HTTP)
+    or a 429 is skipped for the next candidate from the first request on, streams and JSON alike:
+    the sessions whose home it is never see its error."""
+    homed: list[str] = []
+    for n in range(60):
+        sid = f"failing-home-{status}-{n}"
+        r = post(fresh.gw.url, chat(20 + n, 1), {"X-Session-ID": sid})
+        if r.headers["X-Kvgate-Backend"] == "sim-0":
+            homed.append(sid)
+        if len(homed) == 4:
+            break
+    assert len(homed) == 4
+    fresh.fault("sim-0", fail_rate=1.0, fail_status=status)
+    for n, sid in enumerate(homed):
+        r = post(fresh.gw.url, {**chat(20 + n, 2), "stream": n % 2 == 0}, {"X-Session-ID": sid})
+        assert r.status_code == 200, r.text
+        assert r.headers["X-Kvgate-Backend"] != "sim-0"
+    # A 500 is the backend's failure (counted towards its ejection); a 429 is only its refusal.
+    errors = fresh.gw.sidecar.backends()["sim-0"]["errors"]
+    assert errors >= 1 if status == 500 else errors == 0
+    wait_until(lambda: inflight(fresh.gw) == (0, 0), timeout=2)
 
 
 def test_backend_aborting_mid_stream_gives_a_clean_error_and_no_hang(fresh: Env) -> None:

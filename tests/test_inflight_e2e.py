@@ -16,7 +16,7 @@ import pytest
 from kvgate.tools.launcher import Supervisor, free_port
 
 from tests.conftest import MODEL, http_json, wait_until
-from tests.helpers import Gateway, chat, start_backends
+from tests.helpers import Gateway, chat, inflight, start_backends
 
 pytestmark = pytest.mark.e2e
 
@@ -47,11 +47,6 @@ def raw_stream(port: int, body: bytes, headers: dict[str, str], cut_after: int |
                 return
             got += len(chunk)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
-
-
-def inflight(gw: Gateway) -> tuple[int, int]:
-    backends = gw.sidecar.backends().values()
-    return sum(b["inflight"] for b in backends), sum(b["inflight_tokens"] for b in backends)
 
 
 def test_every_count_returns_to_zero_after_a_storm(stack: Supervisor) -> None:

@@ -17,8 +17,7 @@ import pytest
 from kvgate.tools.launcher import Supervisor, free_port
 
 from tests.conftest import MODEL, http_json, wait_until
-from tests.helpers import Gateway, start_backends
-from tests.test_inflight_e2e import inflight
+from tests.helpers import Gateway, inflight, start_backends
 
 pytestmark = pytest.mark.e2e
 BURST = 12

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.config import Config
+from kvgate.config.gateway import RETRY_STATUSES
 
 # The Lua code and the templates ship inside the package (``kvgate/assets``: links to the checkout's
 # lua/ and nginx/ in a source tree, copies in a wheel), so an installed kvgate renders on its own.
@@ -39,6 +40,7 @@ class NginxSettings:
     session_header: str = "X-Session-ID"
     route_headers: bool = True
     max_tries: int = 3
+    retry_statuses: tuple[int, ...] = RETRY_STATUSES
     retry_deadline: str = "10s"
     connect_timeout_ms: int = 2000
     upstream_keepalive_timeout: str = "4s"  # below the backends' idle close (vLLM: 5 s)
@@ -70,6 +72,7 @@ class NginxSettings:
             "socket": config.listen.socket,
             "session_header": config.routing.session_header,
             "max_tries": config.routing.max_candidates,
+            "retry_statuses": g.retry_statuses,
             "route_headers": g.route_headers,
             "decision_timeout_ms": g.decision_timeout_ms,
             "first_byte_timeout_ms": g.first_byte_timeout_ms,
@@ -154,6 +157,7 @@ def render(
         "route_headers": "true" if settings.route_headers else "false",
         "max_tries": str(settings.max_tries),
         "retry_deadline": settings.retry_deadline,
+        "retry_statuses": "".join(f" http_{s}" for s in settings.retry_statuses),
         "connect_timeout_ms": str(settings.connect_timeout_ms),
         "upstream_keepalive_timeout": settings.upstream_keepalive_timeout,
         "first_byte_timeout_ms": str(settings.first_byte_timeout_ms),

@@ -9,6 +9,10 @@ from typing import Any
 
 from kvgate.config.parse import ConfigError, check_keys, integer
 
+# The statuses Nginx's proxy_next_upstream can retry on (http_403 ... http_504).
+RETRYABLE = frozenset({403, 404, 429, 500, 502, 503, 504})
+RETRY_STATUSES = (429, 500, 502, 503, 504)
+
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
@@ -22,6 +26,10 @@ class GatewayConfig:
     token_timeout_ms: int = 100  # JSON responses come whole: each requested token adds this much
     max_read_timeout_ms: int = 600_000
     client_max_body_size: str = "16m"
+    # A backend's answers with these statuses go to the next candidate, before any byte reaches the
+    # client: a backend that fails every request (500) is skipped, not served to clients until the
+    # outcome reports eject it. Generation is stateless, so a retried request costs only its prefill.
+    retry_statuses: tuple[int, ...] = RETRY_STATUSES
     # When Nginx starts as root, its workers run as this user (and the socket group's members): never
     # root. None: nobody.
     worker_user: str | None = None
@@ -42,6 +50,7 @@ class GatewayConfig:
                 "token_timeout_ms",
                 "max_read_timeout_ms",
                 "client_max_body_size",
+                "retry_statuses",
                 "worker_user",
                 "edge_access",
             },
@@ -52,6 +61,13 @@ class GatewayConfig:
         size = str(d.get("client_max_body_size", "16m"))
         if not re.fullmatch(r"[0-9]+[kKmMgG]?", size):
             raise ConfigError(f"{w}.client_max_body_size: {size!r} is not an Nginx size like 16m or 512k")
+        statuses = d.get("retry_statuses", list(RETRY_STATUSES))
+        if not isinstance(statuses, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v in RETRYABLE for v in statuses
+        ):
+            raise ConfigError(
+                f"{w}.retry_statuses: expected a list of statuses among {sorted(RETRYABLE)}, got {statuses!r}"
+            )
         user = d.get("worker_user")
         edge = d.get("edge_access")
         if edge is not None and not (
@@ -65,6 +81,7 @@ class GatewayConfig:
             token_timeout_ms=integer(d, w, "token_timeout_ms", 100, 0, 60_000),
             max_read_timeout_ms=integer(d, w, "max_read_timeout_ms", 600_000, 100, 86_400_000),
             client_max_body_size=size,
+            retry_statuses=tuple(sorted(set(statuses))),
             worker_user=None if user is None else str(user),
             edge_access=edge,
         )
