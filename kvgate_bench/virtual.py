@@ -24,6 +24,7 @@ from kvgate.load import Scraped
 from kvgate.policies import SessionAction
 from kvgate.protocol import Outcome
 from kvgate.queue import QueueFull, QueueTimeout
+from kvgate.registry import Registry
 from kvgate.service import Queued, Routed
 from kvgate.sidecar import build_sidecar
 
@@ -91,8 +92,11 @@ def replay(
     routing: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
     labels: Sequence[dict[str, str]] | None = None,
+    observe: Callable[[float, Registry, Sequence[Engine], Sequence[int]], None] | None = None,
 ) -> Run:
-    """``extra``: more config sections (queue, pools, tokens); ``labels``: each backend's labels."""
+    """``extra``: more config sections (queue, pools, tokens); ``labels``: each backend's labels;
+    ``observe``: called at every scrape with the time, the sidecar's registry, the engines and the
+    prompt tokens each engine's step in progress prefills (to set the load view against the truth)."""
     started = time.perf_counter()
     cfg = Config.from_mapping(
         {
@@ -136,6 +140,7 @@ def replay(
     ids = [f"sim-{i}" for i in range(backends)]
     busy = [False] * backends
     pending: list[list[TokenEvent]] = [[] for _ in range(backends)]
+    in_step = [0] * backends  # prompt tokens of each engine's step in progress
     # engine request id -> (rid, decision id, backend, reason)
     meta: dict[str, tuple[int, str, str, str]] = {}
     awaiting_first: set[str] = set()  # requests whose first token Nginx has not reported yet
@@ -290,14 +295,18 @@ def replay(
             result = engines[i].step(t)
             if result is None:
                 busy[i] = False
+                in_step[i] = 0
                 continue
             pending[i] = result.events
+            in_step[i] = result.prefill_tokens
             heapq.heappush(events, (result.end, 3, next(seq), "step", i))
         elif kind == "report":
             service.report([payload])
             release(t)
         elif kind == "scrape":
             scrape()
+            if observe is not None:
+                observe(t, registry, engines, in_step)
             release(t)
             if remaining or any(busy) or waiting:
                 heapq.heappush(events, (t + scrape_interval, 0, next(seq), "scrape", None))

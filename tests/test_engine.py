@@ -146,3 +146,17 @@ def test_calibration_is_within_tolerance_for_every_profile() -> None:
     for profile in PROFILES.values():
         checks = calibrate(profile)
         assert all(c.ok for c in checks), [(c.target.name, c.measured) for c in checks]
+
+
+def test_prefill_backlog_counts_what_is_left_before_each_first_token() -> None:
+    e = engine(max_num_batched_tokens=1024, max_num_seqs=1)
+    a = Request("a", prompt(3, 4096), 4, 0.0, ignore_eos=True)
+    b = Request("b", prompt(4, 2000), 4, 0.0, ignore_eos=True)
+    e.add_request(a)
+    e.add_request(b)
+    assert e.prefill_backlog() == (0, a.prompt_len + b.prompt_len)  # nothing admitted yet
+    e.step(0.0)  # a is admitted and its first 1,024-token chunk prefilled; b waits (one seat)
+    assert e.prefill_backlog() == (a.prompt_len - 1024, b.prompt_len)
+    while a.first_token_time is None:
+        e.step(1.0)
+    assert e.prefill_backlog() == (0, b.prompt_len)  # a decodes now: none of its prompt is left

@@ -81,6 +81,32 @@ def test_chat_streaming_role_chunk_tokens_usage_and_done(client: openai.OpenAI, 
     assert events[-1] == "data: [DONE]" and len(events) == 4
 
 
+def test_sim_info_shows_the_prefill_backlog_while_a_long_prompt_prefills(
+    client: openai.OpenAI, sim: str
+) -> None:
+    """``/sim/info`` (simulator-only, for benchmarks checking a router's load view): a prompt is
+    backlog until its first token; idle, everything is zero."""
+    import threading
+
+    done = threading.Event()
+
+    def send() -> None:
+        client.completions.create(model=MODEL, prompt=words(6000, "info"), max_tokens=2)
+        done.set()
+
+    seen: list[dict[str, int]] = []
+    t = threading.Thread(target=send)
+    t.start()
+    while not done.is_set():
+        seen.append(http_json("GET", sim + "/sim/info")[1])
+        time.sleep(0.005)
+    t.join()
+    assert max(s["prefill_backlog_running"] + s["prefill_backlog_waiting"] for s in seen) > 1000
+    idle = http_json("GET", sim + "/sim/info")[1]
+    assert (idle["frontend"], idle["running"], idle["waiting"]) == (0, 0, 0)
+    assert idle["prefill_backlog_running"] == idle["prefill_backlog_waiting"] == 0
+
+
 def test_completions_streaming_and_not(client: openai.OpenAI) -> None:
     r = client.completions.create(
         model=MODEL, prompt=words(30, "c"), max_tokens=4, extra_body={"ignore_eos": True}

@@ -243,6 +243,20 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def prefill_backlog(self) -> tuple[int, int]:
+        """Prompt tokens still to prefill before their request's first token: (of the running
+        requests, of the waiting ones). Waiting requests count whole (their cache hit is known only
+        at admission). What a router's prefill-queue estimate tries to track; simulator-only."""
+        running = waiting = 0
+        for req in self.by_id.values():
+            if req.first_token_time is not None:
+                continue
+            if req.status is Status.WAITING:
+                waiting += req.prompt_len
+            elif req.status is Status.RUNNING:
+                running += max(0, req.prompt_len - req.num_computed)
+        return running, waiting
+
     # -- scheduling -----------------------------------------------------------------------------
     def _victim(self) -> Request:
         if self.config.policy is SchedulingPolicy.PRIORITY:

@@ -34,6 +34,9 @@ class EngineLoop:
         self._origin = asyncio.get_running_loop().time()
         self._lags: deque[tuple[float, float]] = deque()
         self.steps = 0
+        # Prompt tokens the step in progress prefills: the engine's state moves at a step's start,
+        # its tokens reach clients at its end, so until then this work is still ahead of them.
+        self.step_prefill_tokens = 0
         self.total_lag_s = 0.0
         self.total_step_s = 0.0
 
@@ -99,10 +102,14 @@ class EngineLoop:
                 continue
             end_wall = start_wall + result.duration / self.time_scale
             delay = end_wall - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            else:
-                await asyncio.sleep(0)  # let handlers run even when behind
+            self.step_prefill_tokens = result.prefill_tokens
+            try:
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                else:
+                    await asyncio.sleep(0)  # let handlers run even when behind
+            finally:
+                self.step_prefill_tokens = 0
             done = loop.time()
             self._lags.append((done, max(0.0, done - end_wall)))
             self.steps += 1

@@ -75,6 +75,7 @@ class Instance:
         # Connections that carried requests, to check a client's keep-alive reuse (GET /sim/info).
         self._seen: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
         self.connections = 0
+        self.in_frontend = 0  # completion requests accepted and not yet in the engine (tokenizing)
         self.responses_store = apis.ResponseStore()
         self.engine_id = uuid.uuid4().hex  # names this instance's KV blocks to decoders
         self.address = ("127.0.0.1", 0)
@@ -215,7 +216,11 @@ class Instance:
         # Frontend work (API, tokenization) happens before the engine sees the request; a decode leg
         # then waits while the prefiller's KV blocks are read (vLLM: WAITING_FOR_REMOTE_KVS).
         transfer_s = remote_tokens / self.config.kv_transfer_tokens_per_s
-        await asyncio.sleep(loop.to_wall(cfg.profile.frontend_s + transfer_s))
+        self.in_frontend += 1
+        try:
+            await asyncio.sleep(loop.to_wall(cfg.profile.frontend_s + transfer_s))
+        finally:
+            self.in_frontend -= 1
         req = Request(
             request_id=parsed.request_id,
             prompt_ids=parsed.prompt_ids,
@@ -615,8 +620,22 @@ class Instance:
         return web.Response(status=200 if ok else 400)
 
     async def info(self, request: web.Request) -> web.Response:
-        """Simulator-only facts for tests: the TCP connections clients opened so far."""
-        return _json({"connections": self.connections})
+        """Simulator-only facts for tests and benchmarks: the TCP connections clients opened so far,
+        the requests in the frontend (accepted, not yet in the engine) and the prefill backlog."""
+        running, waiting = self.engine.prefill_backlog()
+        in_step = self.loop.step_prefill_tokens if self.loop is not None else 0
+        return _json(
+            {
+                "connections": self.connections,
+                "frontend": self.in_frontend,
+                "running": self.engine.num_running,
+                "waiting": self.engine.num_waiting,
+                # prompt tokens still to prefill before their first token reaches the client: of
+                # the running requests (the step in progress included), and of the waiting ones
+                "prefill_backlog_running": running + in_step,
+                "prefill_backlog_waiting": waiting,
+            }
+        )
 
     # -- fault injection ----------------------------------------------------------------------------
     async def get_faults(self, request: web.Request) -> web.Response:
