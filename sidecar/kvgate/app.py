@@ -92,7 +92,7 @@ async def _scrape_round(
             metrics.scrape_latency.observe(time.perf_counter() - t0)
         registry.scrape_ok(bid, scraped)
         if tokens is not None:
-            tokens.counted(bid, scraped.prompt_tokens)
+            tokens.counted(bid, scraped.prompt_tokens, registry.replicas)
 
     jobs = [
         one(bid, s.spec.url, s.spec.metrics, n % MODELS_EVERY == 0 or not s.models)

@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvgate.config import BackendSpec, OutlierConfig, RoutingConfig, ScrapeConfig
 from kvgate.load import LoadView, Scraped, spare_capacity, view
@@ -64,8 +65,19 @@ class BackendState:
 @dataclass(slots=True)
 class _Inflight:
     backend: str
-    tokens: int
+    tokens: int  # uncached prompt tokens still to prefill (0 once the first byte came back)
     at: float
+    model: str | None = None
+    prompt_bytes: int = 0  # the prompt's size, until the backend has counted its tokens (then 0)
+
+
+class Served(NamedTuple):
+    """A prompt the backend has now counted (its first token came back): what the token estimate
+    learns from."""
+
+    backend: str
+    model: str | None
+    prompt_bytes: int
 
 
 @dataclass(slots=True)
@@ -240,15 +252,33 @@ class Registry:
         return self.backends[bid].address
 
     # -- in-flight accounting -------------------------------------------------------------------------
-    def start(self, decision_id: str, bid: str, tokens: int, now: float) -> bool:
+    def start(
+        self,
+        decision_id: str,
+        bid: str,
+        tokens: int,
+        now: float,
+        model: str | None = None,
+        prompt_bytes: int = 0,
+    ) -> bool:
         """Count a decision in flight on ``bid`` with ``tokens`` uncached prompt tokens; False when
         Nginx dropped it already (its drop report overtook the decision)."""
         if self._dropped.pop(decision_id, None) is not None or bid not in self.backends:
             return False
         self.inflight[bid] = self.inflight.get(bid, 0) + 1
         self.inflight_tokens[bid] = self.inflight_tokens.get(bid, 0) + tokens
-        self._inflight[decision_id] = _Inflight(bid, tokens, now)
+        self._inflight[decision_id] = _Inflight(bid, tokens, now, model, prompt_bytes)
         return True
+
+    def served(self, decision_id: str) -> Served | None:
+        """The request's prompt, once: its first byte (or its whole JSON answer) came back, so the
+        backend has counted its prompt tokens. None when unknown or already taken."""
+        entry = self._inflight.get(decision_id)
+        if entry is None or entry.prompt_bytes == 0:
+            return None
+        out = Served(entry.backend, entry.model, entry.prompt_bytes)
+        entry.prompt_bytes = 0
+        return out
 
     def finish(self, decision_id: str) -> None:
         entry = self._inflight.pop(decision_id, None)

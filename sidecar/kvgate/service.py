@@ -277,9 +277,13 @@ class DecisionService:
         if f.hashes and policy in (PolicyName.KVGATE, PolicyName.PREFIX):
             self.index.record(f.hashes, primary)
         self.registry.start(
-            did, primary, uncached_tokens(f, req.prefix_depth.get(primary, 0)), time.monotonic()
+            did,
+            primary,
+            uncached_tokens(f, req.prefix_depth.get(primary, 0)),
+            time.monotonic(),
+            f.model,
+            f.prompt_bytes,
         )
-        self.tokens.routed(primary, f.model, f.prompt_bytes)
         self.metrics.decisions.labels(policy.value, decision.label).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         routed = self._routed(did, policy, plan, priority)
@@ -417,6 +421,12 @@ class DecisionService:
         if len(self._admitted) > MAX_ADMITTED:
             self._admitted.popitem(last=False)
 
+    def _learn_tokens(self, decision_id: str) -> None:
+        """The backend has counted this request's prompt: its bytes go beside that count."""
+        served = self.registry.served(decision_id)
+        if served is not None:
+            self.tokens.served(served.backend, served.model, served.prompt_bytes)
+
     def _settle_tokens(self, o: Outcome) -> None:
         """The request ended: correct its token count from the usage the backend reported."""
         if o.decision_id is None or self.limiter is None:
@@ -467,6 +477,7 @@ class DecisionService:
         for o in outcomes:
             if o.kind is OutcomeKind.FIRST:
                 assert o.decision_id is not None
+                self._learn_tokens(o.decision_id)
                 self.registry.prefill_done(o.decision_id)
                 if o.response_id is not None:
                     # The backend stores this response: the conversation's next turn must come back.
@@ -480,6 +491,8 @@ class DecisionService:
                 self.metrics.dropped.inc()
                 continue
             if o.decision_id is not None:
+                if o.status == 200 and not o.cut:
+                    self._learn_tokens(o.decision_id)  # a JSON answer: its first byte came with its end
                 self.registry.finish(o.decision_id)
                 self._settle_tokens(o)
             if o.response_id is not None and o.backend and o.status == 200:

@@ -5,7 +5,19 @@ Nginx sends the prompt's canonical text length in bytes, never its tokens (token
 would cost more than routing). A fixed 4 bytes per token is right for English under BPE tokenizers and
 2x off elsewhere, and the estimate feeds every prefill-cost and saturation figure. So each scrape
 compares what a backend counted (``vllm:prompt_tokens_total``, chat template included) with the bytes
-this sidecar routed to it since the previous scrape, and the model's ratio follows, smoothed.
+of the prompts it served since the previous scrape, and the model's ratio follows.
+
+Both sides of that comparison must describe the same prompts. vLLM counts a prompt's tokens when its
+prefill ends (with the first token), so a prompt's bytes are counted here when Nginx reports its first
+byte (or its whole JSON answer), not when it is routed: routed bytes run ahead of the counter by a
+whole queue and prefill, seconds to minutes, and the ratio of such windows swings 1-10x around the
+truth. And what is learned is a ratio of sums (bytes over tokens, both decayed), not an average of
+per-window ratios, which small windows would bias upwards.
+
+A backend's counter also counts the prompts other gateway replicas sent it; each replica sees only
+its own bytes. So a window's tokens are divided by the number of replicas (``kvgate.replicas``):
+exact when the edge spreads clients evenly over the replicas, as a round-robin load balancer does over
+time. Clients that reach a backend without kvgate make the estimate too low.
 """
 
 from __future__ import annotations
@@ -15,20 +27,23 @@ from dataclasses import dataclass, field
 from kvgate.config import TokensConfig
 
 MIN_SAMPLE_TOKENS = 2000  # a window this small says little: it waits for more
-SMOOTHING = 0.3  # weight of a new window in the ratio
+DECAY = 0.05  # each window's weight in the sums: the estimate follows about the last 20 windows
 
 
 @dataclass(slots=True)
 class _Backend:
     counter: float | None = None  # the backend's prompt-token counter at the last scrape
-    bytes: dict[str | None, int] = field(default_factory=dict)  # model -> bytes routed since then
+    bytes: dict[str | None, int] = field(default_factory=dict)  # model -> bytes served since then
     tokens: float = 0.0  # tokens counted since the window began
+    model: str | None = None  # the last model it served (a window whose prompts all came in earlier)
+    seen: bool = False  # it has served a prompt since the counter was first read
 
 
 class TokenEstimator:
     def __init__(self, config: TokensConfig) -> None:
         self.config = config
         self.learned: dict[str | None, float] = {}
+        self._sums: dict[str | None, tuple[float, float]] = {}  # model -> decayed (bytes, tokens)
         self._backends: dict[str, _Backend] = {}
 
     def ratio(self, model: str | None) -> float:
@@ -37,15 +52,18 @@ class TokenEstimator:
             return fixed
         return self.learned.get(model, self.config.default_bytes_per_token)
 
-    def routed(self, backend: str, model: str | None, prompt_bytes: int) -> None:
-        """A request of ``prompt_bytes`` went to ``backend``."""
+    def served(self, backend: str, model: str | None, prompt_bytes: int) -> None:
+        """``backend`` has counted a prompt of ``prompt_bytes`` (its first token came back)."""
         if not self.config.learn:
             return
         b = self._backends.setdefault(backend, _Backend())
         b.bytes[model] = b.bytes.get(model, 0) + prompt_bytes
+        b.model = model
+        b.seen = True
 
-    def counted(self, backend: str, counter: float | None) -> None:
-        """A scrape of ``backend`` read its prompt-token counter."""
+    def counted(self, backend: str, counter: float | None, replicas: int = 1) -> None:
+        """A scrape of ``backend`` read its prompt-token counter; ``replicas`` gateway replicas
+        (this one included) share the backend."""
         if not self.config.learn or counter is None:
             return
         b = self._backends.setdefault(backend, _Backend())
@@ -53,15 +71,31 @@ class TokenEstimator:
         if previous is None or counter < previous:  # first sight, or the backend restarted
             b.bytes.clear()
             b.tokens = 0.0
+            b.seen = False
             return
-        b.tokens += counter - previous
+        b.tokens += (counter - previous) / max(1, replicas)
         if b.tokens < MIN_SAMPLE_TOKENS:
             return
-        if len(b.bytes) == 1:  # a window that mixed models cannot tell their ratios apart
-            ((model, routed),) = b.bytes.items()
-            if routed > 0:
-                sample = routed / b.tokens
-                old = self.learned.get(model)
-                self.learned[model] = sample if old is None else old + SMOOTHING * (sample - old)
+        # A window that mixed models cannot tell their ratios apart; one whose tokens came from
+        # prompts reported in an earlier window (reports and scrapes are not in step) still counts,
+        # for the model the backend served last, so that no token is left out of the sums.
+        models = set(b.bytes) or ({b.model} if b.seen else set())
+        if len(models) == 1:
+            (model,) = models
+            self._add(model, b.bytes.get(model, 0), b.tokens)
         b.bytes.clear()
         b.tokens = 0.0
+
+    def _add(self, model: str | None, routed: float, tokens: float) -> None:
+        old = self._sums.get(model)
+        sums = (
+            (routed, tokens)
+            if old is None
+            else (
+                (1 - DECAY) * old[0] + routed,
+                (1 - DECAY) * old[1] + tokens,
+            )
+        )
+        self._sums[model] = sums
+        if sums[0] > 0 and sums[1] > 0:
+            self.learned[model] = sums[0] / sums[1]
