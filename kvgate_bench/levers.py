@@ -67,7 +67,7 @@ LEVERS = {
                 {**NO_LEARN, "queue": queue("shortest", ageing_ms=seconds * 1000)},
                 TIGHT,
             )
-            for seconds in (30, 60, 120)
+            for seconds in (30, 60, 75, 90, 120)
         ),
         *(
             Lever(
@@ -82,7 +82,9 @@ LEVERS = {
         Lever("+priority", PolicyName.KVGATE, PRIORITY, priority=True),
         Lever("+priority-tight", PolicyName.KVGATE, PRIORITY, TIGHT, priority=True),
         Lever("+pd", PolicyName.KVGATE, {**NO_LEARN, "disaggregation": {"models": ["*"]}}, disagg=True),
-        Lever("all", PolicyName.KVGATE, {"queue": queue("shortest")}, TIGHT),
+        # The whole layer as the defaults and the example config have it: learned tokens, the tight
+        # shortest-first queue with the default ageing.
+        Lever("all", PolicyName.KVGATE, {"queue": queue("shortest", ageing_ms=75_000)}, TIGHT),
     )
 }
 
