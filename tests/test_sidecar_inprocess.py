@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -95,6 +96,35 @@ def test_two_services_racing_for_a_new_session_agree_on_one_backend(redis_url: s
             assert SessionAction.BIND in actions, actions  # exactly one claimed it first
         await ca.aclose()
         await cb.aclose()
+
+    run(scenario())
+
+
+def test_a_burst_of_new_sessions_spreads_while_their_claims_wait_for_redis(redis_url: str) -> None:
+    """Ten new conversations decided at once: each waits for its Redis claim, and the decisions made
+    meanwhile must count it in flight. Before they did not, and all ten went to the backend that
+    looked least loaded when the burst began."""
+
+    async def scenario() -> None:
+        cfg = config(redis_url, backends=2)
+        client = redis_client(cfg)
+        sc = core(cfg, client)
+        # b0 has a long prefill queued; b1 is idle. Each new prompt is ~8,000 tokens.
+        sc.registry.start("earlier", "b0", 24_000, time.monotonic())
+        burst = [features(500 + i, session=f"burst-{i}") for i in range(10)]
+        routed = await asyncio.gather(*(sc.service.route(f, f"d{i}") for i, f in enumerate(burst)))
+        picks = [r.candidates[0].id for r in routed]
+        assert picks.count("b1") < 10, picks  # not all on the one that was idle at the start
+        assert picks.count("b0") >= 2, picks
+        # What is counted is where they went.
+        assert sc.registry.inflight == {"b0": picks.count("b0") + 1, "b1": picks.count("b1")}
+        for i, r in enumerate(routed):
+            sc.service.report([Outcome.end(f"d{i}", r.candidates[0].id, 200, True, 0.1, 0.2)])
+        sc.service.report([Outcome.end("earlier", "b0", 200, True, 0.1, 0.2)])
+        assert sc.registry.inflight == {"b0": 0, "b1": 0}
+        assert sc.registry.inflight_tokens == {"b0": 0, "b1": 0}
+        assert client is not None
+        await client.aclose()
 
     run(scenario())
 

@@ -270,6 +270,19 @@ class Registry:
         self._inflight[decision_id] = _Inflight(bid, tokens, now, model, prompt_bytes)
         return True
 
+    def move(self, decision_id: str, bid: str, tokens: int) -> None:
+        """The decision now goes to ``bid`` with ``tokens`` uncached prompt tokens (the session it
+        belongs to turned out bound there). Nothing when it ended meanwhile (dropped by Nginx)."""
+        entry = self._inflight.get(decision_id)
+        if entry is None or bid not in self.backends:
+            return
+        old = entry.backend
+        self.inflight[old] = max(0, self.inflight.get(old, 0) - 1)
+        self.inflight_tokens[old] = max(0, self.inflight_tokens.get(old, 0) - entry.tokens)
+        self.inflight[bid] = self.inflight.get(bid, 0) + 1
+        self.inflight_tokens[bid] = self.inflight_tokens.get(bid, 0) + tokens
+        entry.backend, entry.tokens = bid, tokens
+
     def served(self, decision_id: str) -> Served | None:
         """The request's prompt, once: its first byte (or its whole JSON answer) came back, so the
         backend has counted its prompt tokens. None when unknown or already taken."""

@@ -268,14 +268,14 @@ class DecisionService:
     async def _commit(
         self, did: str, policy: PolicyName, f: Features, plan: _Plan, priority: int, t0: float
     ) -> Routed:
-        """Carry the decision out: the session binding, the prefix index, the in-flight count."""
+        """Carry the decision out: the in-flight count, the session binding, the prefix index.
+
+        The count goes up before the session's Redis round trip: decisions made while this one
+        waits for Redis must see it (a burst of new conversations would otherwise all pick the
+        same least-loaded backend, each blind to the others). If Redis says the session lives
+        elsewhere, the count moves there."""
         decision, req, snap = plan.decision, plan.req, plan.snap
-        if policy is PolicyName.KVGATE and f.key and snap.nodes:
-            decision = await self._settle_session(f.key, decision, req, snap, policy)
-            plan = dataclasses.replace(plan, decision=decision)
         primary = decision.candidates[0]
-        if f.hashes and policy in (PolicyName.KVGATE, PolicyName.PREFIX):
-            self.index.record(f.hashes, primary)
         self.registry.start(
             did,
             primary,
@@ -284,6 +284,14 @@ class DecisionService:
             f.model,
             f.prompt_bytes,
         )
+        if policy is PolicyName.KVGATE and f.key and snap.nodes:
+            decision = await self._settle_session(f.key, decision, req, snap, policy)
+            plan = dataclasses.replace(plan, decision=decision)
+            if decision.candidates[0] != primary:
+                primary = decision.candidates[0]
+                self.registry.move(did, primary, uncached_tokens(f, req.prefix_depth.get(primary, 0)))
+        if f.hashes and policy in (PolicyName.KVGATE, PolicyName.PREFIX):
+            self.index.record(f.hashes, primary)
         self.metrics.decisions.labels(policy.value, decision.label).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         routed = self._routed(did, policy, plan, priority)
