@@ -78,6 +78,15 @@ LEVERS = {
             )
             for multiple in (2, 4)
         ),
+        *(
+            Lever(
+                f"+queue-shortest-budget-{budget}",
+                PolicyName.KVGATE,
+                {"queue": queue("shortest", ageing_ms=75_000)},
+                {"saturation_waiting": 1, "saturation_prefill_tokens": budget},
+            )
+            for budget in (1024, 2048, 4096, 16384)
+        ),
         Lever("+pools", PolicyName.KVGATE, NO_LEARN, pools=True),
         Lever("+priority", PolicyName.KVGATE, PRIORITY, priority=True),
         Lever("+priority-tight", PolicyName.KVGATE, PRIORITY, TIGHT, priority=True),
