@@ -177,6 +177,12 @@ def main(argv: Sequence[str]) -> int:
                 f"p50 {row.ttft_p50:.3f} p90 {row.ttft_p90:.3f} p99 {row.ttft_p99:.3f} "
                 f"hit {row.hit_rate:.1%} rejected {run.rejected}"
             )
+            if run.queue_waits:  # over every request: one that never waited counts as 0
+                waits = sorted(run.queue_waits)
+                line += (
+                    f" | queue: {len(waits) / len(reqs):.0%} waited, "
+                    f"mean wait {sum(waits) / len(reqs):.3f}s, p90 of those who waited {p90(waits):.3f}s"
+                )
             if lv.priority:
                 hi = sorted(r.ttft for r in run.results if r.rid in urgent)
                 lo = sorted(r.ttft for r in run.results if r.rid not in urgent)

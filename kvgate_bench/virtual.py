@@ -59,6 +59,7 @@ class Run:
     results: list[Result] = field(default_factory=list)
     bound_violations: int = 0  # non-session decisions that picked a node above c x its fair share
     rejected: int = 0  # refused by the gateway queue (full, or waited too long): 429s
+    queue_waits: list[float] = field(default_factory=list)  # seconds each queued request waited
     wall_s: float = 0.0
 
 
@@ -241,6 +242,7 @@ def replay(
             return
         for w, result in _sync(service.dispatch()):
             r, arrived = waiting.pop(w.decision_id)
+            run.queue_waits.append(t - arrived)
             if isinstance(result, QueueTimeout) or not result.decision.candidates:
                 run.rejected += 1  # a 429 (or a 503) to the client
                 done += 1

@@ -3,6 +3,7 @@ decision service and simulated engines. A regression in routing quality fails he
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -42,6 +43,25 @@ def test_replay_is_deterministic(chat) -> None:  # type: ignore[no-untyped-def]
     a = replay(reqs[:120], feats, PolicyName.KVGATE, 4, LLAMA3_8B_H100)
     b = replay(reqs[:120], feats, PolicyName.KVGATE, 4, LLAMA3_8B_H100)
     assert [(r.rid, r.backend, r.ttft) for r in a.results] == [(r.rid, r.backend, r.ttft) for r in b.results]
+
+
+def test_a_replay_with_the_gateway_queue_records_each_wait(chat) -> None:  # type: ignore[no-untyped-def]
+    """A burst (every request at once, 8 times the rate) on backends that count as full early: some
+    requests wait in the gateway queue, each wait is recorded, and their TTFT includes it."""
+    reqs, feats = chat
+    burst = [dataclasses.replace(r, arrival=0.0) for r in reqs[:40]]
+    run = replay(
+        burst,
+        feats,
+        PolicyName.KVGATE,
+        2,
+        LLAMA3_8B_H100,
+        routing={"saturation_waiting": 1, "saturation_prefill_tokens": 2048},
+        extra={"queue": {"enabled": True, "order": "shortest", "max_wait_ms": 600_000}},
+    )
+    assert len(run.results) == 40 and run.rejected == 0
+    assert 0 < len(run.queue_waits) < 40 and all(w >= 0 for w in run.queue_waits)
+    assert max(r.ttft for r in run.results) >= max(run.queue_waits)
 
 
 def test_trace_blocks_are_exact_and_shared(tmp_path: Path) -> None:
