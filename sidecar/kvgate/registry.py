@@ -265,10 +265,21 @@ class Registry:
         Nginx dropped it already (its drop report overtook the decision)."""
         if self._dropped.pop(decision_id, None) is not None or bid not in self.backends:
             return False
-        self.inflight[bid] = self.inflight.get(bid, 0) + 1
-        self.inflight_tokens[bid] = self.inflight_tokens.get(bid, 0) + tokens
-        self._inflight[decision_id] = _Inflight(bid, tokens, now, model, prompt_bytes)
+        entry = _Inflight(bid, tokens, now, model, prompt_bytes)
+        self._count(entry)
+        self._inflight[decision_id] = entry
         return True
+
+    def _count(self, entry: _Inflight) -> None:
+        b = entry.backend
+        self.inflight[b] = self.inflight.get(b, 0) + 1
+        self.inflight_tokens[b] = self.inflight_tokens.get(b, 0) + entry.tokens
+
+    def _uncount(self, entry: _Inflight) -> None:
+        """Where the counts ``_count`` raised come down: a decision that ended, or moved."""
+        b = entry.backend
+        self.inflight[b] = max(0, self.inflight.get(b, 0) - 1)
+        self.inflight_tokens[b] = max(0, self.inflight_tokens.get(b, 0) - entry.tokens)
 
     def move(self, decision_id: str, bid: str, tokens: int) -> None:
         """The decision now goes to ``bid`` with ``tokens`` uncached prompt tokens (the session it
@@ -276,12 +287,9 @@ class Registry:
         entry = self._inflight.get(decision_id)
         if entry is None or bid not in self.backends:
             return
-        old = entry.backend
-        self.inflight[old] = max(0, self.inflight.get(old, 0) - 1)
-        self.inflight_tokens[old] = max(0, self.inflight_tokens.get(old, 0) - entry.tokens)
-        self.inflight[bid] = self.inflight.get(bid, 0) + 1
-        self.inflight_tokens[bid] = self.inflight_tokens.get(bid, 0) + tokens
+        self._uncount(entry)
         entry.backend, entry.tokens = bid, tokens
+        self._count(entry)
 
     def served(self, decision_id: str) -> Served | None:
         """The request's prompt, once: its first byte (or its whole JSON answer) came back, so the
@@ -295,12 +303,8 @@ class Registry:
 
     def finish(self, decision_id: str) -> None:
         entry = self._inflight.pop(decision_id, None)
-        if entry is None:
-            return
-        b = entry.backend
-        if b in self.inflight:
-            self.inflight[b] = max(0, self.inflight[b] - 1)
-            self.inflight_tokens[b] = max(0, self.inflight_tokens.get(b, 0) - entry.tokens)
+        if entry is not None:
+            self._uncount(entry)
 
     def drop(self, decision_id: str, now: float) -> None:
         """Nginx will not use this decision: stop counting it, or never start if it comes later."""

@@ -275,21 +275,18 @@ class DecisionService:
         same least-loaded backend, each blind to the others). If Redis says the session lives
         elsewhere, the count moves there."""
         decision, req, snap = plan.decision, plan.req, plan.snap
+
+        def uncached(backend: str) -> int:
+            return uncached_tokens(f, req.prefix_depth.get(backend, 0))
+
         primary = decision.candidates[0]
-        self.registry.start(
-            did,
-            primary,
-            uncached_tokens(f, req.prefix_depth.get(primary, 0)),
-            time.monotonic(),
-            f.model,
-            f.prompt_bytes,
-        )
+        self.registry.start(did, primary, uncached(primary), time.monotonic(), f.model, f.prompt_bytes)
         if policy is PolicyName.KVGATE and f.key and snap.nodes:
             decision = await self._settle_session(f.key, decision, req, snap, policy)
             plan = dataclasses.replace(plan, decision=decision)
             if decision.candidates[0] != primary:
                 primary = decision.candidates[0]
-                self.registry.move(did, primary, uncached_tokens(f, req.prefix_depth.get(primary, 0)))
+                self.registry.move(did, primary, uncached(primary))
         if f.hashes and policy in (PolicyName.KVGATE, PolicyName.PREFIX):
             self.index.record(f.hashes, primary)
         self.metrics.decisions.labels(policy.value, decision.label).inc()

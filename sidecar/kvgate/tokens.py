@@ -86,16 +86,9 @@ class TokenEstimator:
         b.bytes.clear()
         b.tokens = 0.0
 
-    def _add(self, model: str | None, routed: float, tokens: float) -> None:
-        old = self._sums.get(model)
-        sums = (
-            (routed, tokens)
-            if old is None
-            else (
-                (1 - DECAY) * old[0] + routed,
-                (1 - DECAY) * old[1] + tokens,
-            )
-        )
+    def _add(self, model: str | None, served: float, tokens: float) -> None:
+        old_bytes, old_tokens = self._sums.get(model, (0.0, 0.0))
+        sums = (1 - DECAY) * old_bytes + served, (1 - DECAY) * old_tokens + tokens
         self._sums[model] = sums
         if sums[0] > 0 and sums[1] > 0:
             self.learned[model] = sums[0] / sums[1]
