@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from kvgate.tools.launcher import Supervisor, free_ports
 
 from kvgate_bench.cli import main
@@ -65,12 +66,17 @@ def test_compare_runs_each_kvgate_policy_on_fresh_backends(tmp_path: Path) -> No
             "--targets",
             "kvgate:round_robin",
             "kvgate:kvgate",
+            "kvgate:kvgate+queue",
             "--out",
             str(tmp_path),
         ]
     )
     assert code == 0
     rows = json.loads((tmp_path / "report.json").read_text())["rows"]
-    assert [r["target"] for r in rows] == ["kvgate:round_robin", "kvgate:kvgate"]
+    assert [r["target"] for r in rows] == ["kvgate:round_robin", "kvgate:kvgate", "kvgate:kvgate+queue"]
     assert all(r["errors"] == 0 and r["requests"] == 30 for r in rows)
+    # The +queue variant ran a gateway with the compute layer on, not a plain kvgate under another name.
+    cfg = yaml.safe_load((tmp_path / "run" / "kvgate-kvgate+queue" / "kvgate-sidecar.yaml").read_text())
+    assert cfg["queue"]["enabled"] is True and cfg["queue"]["order"] == "shortest"
+    assert cfg["routing"]["saturation_prefill_tokens"] == 2048
     assert (tmp_path / "ttft_cdf.png").exists()
