@@ -42,6 +42,7 @@ def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
                     speedup,
                     progress=Progress(f"{n} backends, {name}, x{speedup:g}"),
                     extra=None if args.learn_tokens else {"tokens": {"learn": False}},
+                    frontend_per_token_s=args.frontend_per_token_us * 1e-6,
                 )
                 row = virtual.summarize_run(name, run, ideal, sum(zero_q) / len(zero_q), speedup)
                 rows.append(row)
@@ -104,6 +105,13 @@ def _main(argv: list[str]) -> int:
         dest="learn_tokens",
         action="store_false",
         help="estimate 4 bytes per token instead of learning the ratio (results before the tokens setting)",
+    )
+    v.add_argument(
+        "--frontend-per-token-us",
+        type=float,
+        default=0.0,
+        help="frontend (tokenization) time per prompt token: a burst's short prompts then reach their "
+        "engine before its long ones, as they do live (default 0: in arrival order)",
     )
     v.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
     v.add_argument("--out", default="bench-results/virtual")

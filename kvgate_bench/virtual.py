@@ -94,8 +94,11 @@ def replay(
     extra: dict[str, Any] | None = None,
     labels: Sequence[dict[str, str]] | None = None,
     observe: Callable[[float, Registry, Sequence[Engine], Sequence[int]], None] | None = None,
+    frontend_per_token_s: float = 0.0,
 ) -> Run:
     """``extra``: more config sections (queue, pools, tokens); ``labels``: each backend's labels;
+    ``frontend_per_token_s``: frontend time per prompt token on top of the profile's fixed frontend
+    time (tokenization: a long prompt reaches the engine later than a short one sent with it);
     ``observe``: called at every scrape with the time, the sidecar's registry, the engines and the
     prompt tokens each engine's step in progress prefills (to set the load view against the truth)."""
     started = time.perf_counter()
@@ -233,7 +236,8 @@ def replay(
             )
             awaiting_first.add(req.request_id)
         meta[req.request_id] = (r.rid, routed.decision_id, backend, routed.label)
-        heapq.heappush(events, (t + frontend, 2, next(seq), "enqueue", (ids.index(backend), req)))
+        delay = frontend + r.prompt_tokens * frontend_per_token_s
+        heapq.heappush(events, (t + delay, 2, next(seq), "enqueue", (ids.index(backend), req)))
 
     def release(t: float) -> None:
         """What Nginx would see when the gateway queue dispatches: each waiting request's answer."""

@@ -125,3 +125,21 @@ def test_bench_virtual_command_writes_markdown_json_and_plots(tmp_path: Path) ->
     assert "| kvgate |" in text and "pooled ideal" in text
     for png in ("ttft_cdf.png", "ttft_vs_rate.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_frontend_cost_per_token_lets_a_bursts_short_prompt_reach_the_engine_first() -> None:
+    """Live, a long prompt sent at the same instant as a short one reaches the engine later (its body
+    and tokenization take longer); the replay models that only when asked, else keeps arrival order."""
+    long_ = workloads.BenchRequest(0, 0.0, 4, 16 * 512, blocks=tuple(range(1000, 1016)))
+    short = workloads.BenchRequest(1, 0.0, 4, 512, blocks=(2000,))
+    reqs = [long_, short]
+    feats = features_for(reqs)
+
+    def ttfts(per_token: float) -> dict[int, float]:
+        run = replay(reqs, feats, PolicyName.ROUND_ROBIN, 1, LLAMA3_8B_H100, frontend_per_token_s=per_token)
+        return {r.rid: r.ttft for r in run.results}
+
+    in_order = ttfts(0.0)
+    assert in_order[1] > in_order[0]  # the short prompt waits behind the long one's prefill
+    sorted_ = ttfts(1e-6)
+    assert sorted_[1] < sorted_[0] and sorted_[1] < in_order[1] / 2
