@@ -36,7 +36,7 @@ from kvgate.tools.launcher import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate_bench import report
+from kvgate_bench import levers, report
 from kvgate_bench.report import Progress, Sample, Summary
 from kvgate_bench.workloads import BenchRequest, add_workload_args, build_workload
 
@@ -44,16 +44,9 @@ MAX_SEND_LAG_S = 0.05  # wall: p99 lateness of the client's sends
 MAX_STEP_LAG = 0.05  # simulators' lost time / scheduled step time
 PEER_VENV = Path(__file__).resolve().parents[1] / ".bench-venv"  # beside the checkout's .venv
 KVGATE_POLICIES = ["round_robin", "least_load", "consistent_hash", "prefix", "kvgate"]
-# ``kvgate:POLICY+VARIANT`` runs the gateway with more of its configuration on. ``queue`` is the whole
-# compute-scheduling layer as the example config recommends it (the levers' best on the trace): the
-# gateway queue, shortest prompt first with 75 s ageing, backends full at one waiting request or
-# 2,048 queued prefill tokens, waits bounded at 600 s as in the virtual levers.
-KVGATE_VARIANTS: dict[str, dict[str, Any]] = {
-    "queue": {
-        "routing": {"saturation_waiting": 1, "saturation_prefill_tokens": 2048},
-        "queue": {"enabled": True, "order": "shortest", "ageing_ms": 75_000, "max_wait_ms": 600_000},
-    },
-}
+# ``kvgate:POLICY+VARIANT`` runs the gateway with more of its configuration on (sections merged into
+# its config). ``queue``: the whole compute-scheduling layer as the example config recommends it.
+KVGATE_VARIANTS: dict[str, dict[str, dict[str, Any]]] = {"queue": levers.RECOMMENDED}
 PEER_TARGETS = [
     "vllm-router:cache_aware",
     "vllm-router:consistent_hash",
@@ -260,7 +253,7 @@ def start_target(
         sup.start_redis(redis_port)
         interval = max(50, int(500 / time_scale))  # half a simulated second between scrapes
         sock = str(sup.run_dir / "sidecar.sock")
-        cfg = {
+        cfg: dict[str, Any] = {
             "listen": {"socket": sock, "http_port": free_port()},
             "redis": {"url": f"redis://127.0.0.1:{redis_port}/0"},
             "scrape": {
@@ -268,11 +261,11 @@ def start_target(
                 "timeout_ms": min(interval, 250),
                 "stale_after_ms": 4 * interval,
             },
-            "routing": {"policy": policy, **extra.get("routing", {})},
+            "routing": {"policy": policy},
             "backends": [{"id": f"sim-{i}", "url": u} for i, u in enumerate(workers)],
         }
-        if "queue" in extra:
-            cfg["queue"] = extra["queue"]
+        for section, values in extra.items():
+            cfg[section] = {**cfg.get(section, {}), **values}
         settings = NginxSettings(
             listen=f"127.0.0.1:{port}", socket=sock, run_dir=str(sup.run_dir), workers=2, access_log=True
         )
