@@ -150,6 +150,49 @@ def test_a_bound_session_is_kept_and_moves_only_when_its_backend_saturates(redis
     run(scenario())
 
 
+def test_a_session_last_seen_long_ago_is_decided_where_it_is_bound_and_confirmed_by_redis(
+    redis_url: str,
+) -> None:
+    """A chat's next turn comes seconds or minutes later, when the local binding is no longer fresh.
+    The decision still assumes it (counted on the bound backend while Redis confirms), instead of
+    deciding as for a new key, counting it where load says, then moving it; and a binding another
+    replica wrote meanwhile wins."""
+
+    async def scenario() -> None:
+        cfg = config(redis_url)
+        client = redis_client(cfg)
+        assert client is not None
+        sc = core(cfg, client)
+        sessions = sc.service.sessions
+        first = await sc.service.route(features(7, session="later"), "t1")
+        home = first.candidates[0].id
+        sc.service.report([Outcome.end("t1", home, 200, True, 0.1, 0.2)])
+        # Prefill work queued on home (under saturation): a new key would go elsewhere.
+        sc.registry.start("busy", home, 20_000, time.monotonic())
+        stale = time.monotonic() - 60.0
+        sessions.local.set("h:later", home, stale)
+        assert sessions.cached("h:later") == (home, False)
+        task = asyncio.create_task(sc.service.route(features(7, 2, session="later"), "t2"))
+        await asyncio.sleep(0)  # the decision is made and counted; its Redis claim is in flight
+        assert sc.registry.inflight.get(home) == 2, sc.registry.inflight  # "busy" and this turn
+        second = await task
+        assert second.candidates[0].id == home and second.decision.session is SessionAction.KEEP
+        assert sessions.cached("h:later") == (home, True)  # confirmed by that round trip
+        # Another replica moved the session while this one's entry aged: Redis's binding wins.
+        other = next(b.id for b in cfg.backends if b.id != home)
+        await client.set(f"{cfg.redis.prefix}:s:h:later", other)
+        sessions.local.set("h:later", home, stale)
+        third = await sc.service.route(features(7, 3, session="later"), "t3")
+        assert third.candidates[0].id == other and third.decision.session is SessionAction.KEEP
+        assert sc.registry.inflight.get(home) == 2 and sc.registry.inflight.get(other) == 1
+        for did, bid in (("t2", home), ("t3", other), ("busy", home)):
+            sc.service.report([Outcome.end(did, bid, 200, True, 0.1, 0.2)])
+        assert sum(sc.registry.inflight.values()) == 0 and sum(sc.registry.inflight_tokens.values()) == 0
+        await client.aclose()
+
+    run(scenario())
+
+
 def test_sessions_route_from_memory_while_redis_is_down_and_write_back_after() -> None:
     async def scenario(sup: Supervisor) -> None:
         port = free_port()

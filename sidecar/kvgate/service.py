@@ -89,6 +89,7 @@ class _Plan:
     decision: Decision
     pool: str | None
     decode: tuple[str, ...] = ()
+    confirmed: bool = True  # the session binding the decision assumed needs no Redis round trip
 
 
 class DecisionService:
@@ -221,11 +222,14 @@ class DecisionService:
             match = self.index.match(f.hashes, snap.nodes)
             depth, shared = match.depth, match.shared
         keyed = policy is PolicyName.KVGATE and f.key is not None and bool(snap.nodes)
-        bound = None
+        bound, confirmed = None, True
         if keyed and f.key:
-            bound = await self.sessions.peek(f.key) if dry_run else self.sessions.cached(f.key)
+            if dry_run:
+                bound = await self.sessions.peek(f.key)
+            elif (known := self.sessions.cached(f.key)) is not None:
+                bound, confirmed = known
         req = Request(f, seq, bound, depth, shared)
-        return _Plan(snap, req, decide(policy, req, snap, limit), pool)
+        return _Plan(snap, req, decide(policy, req, snap, limit), pool, confirmed=confirmed)
 
     def _pool_snapshot(self, model: str | None, pool: str) -> tuple[str, Snapshot]:
         """The pool's backends, or the first pool in its spill order that has room (the pool itself
@@ -282,7 +286,7 @@ class DecisionService:
         primary = decision.candidates[0]
         self.registry.start(did, primary, uncached(primary), time.monotonic(), f.model, f.prompt_bytes)
         if policy is PolicyName.KVGATE and f.key and snap.nodes:
-            decision = await self._settle_session(f.key, decision, req, snap, policy)
+            decision = await self._settle_session(f.key, decision, req, snap, policy, plan.confirmed)
             plan = dataclasses.replace(plan, decision=decision)
             if decision.candidates[0] != primary:
                 primary = decision.candidates[0]
@@ -449,11 +453,12 @@ class DecisionService:
         return KeysReply(version, keys)
 
     async def _settle_session(
-        self, key: str, d: Decision, req: Request, snap: Snapshot, policy: PolicyName
+        self, key: str, d: Decision, req: Request, snap: Snapshot, policy: PolicyName, confirmed: bool
     ) -> Decision:
         """Make the session store agree with the decision: one Redis round trip at most, none when
-        the binding came from the local cache and still holds."""
-        if d.session is SessionAction.KEEP:
+        the binding came fresh from the local cache and still holds. A binding the decision kept
+        from an older local entry is confirmed by the claim (Redis answers with the one in force)."""
+        if d.session is SessionAction.KEEP and confirmed:
             self.metrics.affinity.labels("hit").inc()
             return d
         if d.session is SessionAction.REBIND:
@@ -461,10 +466,14 @@ class DecisionService:
             await self.sessions.rebind(key, d.candidates[0])
             logger.debug("rebound %s from %s to %s (%s)", key, req.bound, d.candidates[0], d.label)
             return d
-        # Not in the local cache: claim the key for our pick; Redis answers with the binding in force.
+        # A key new to this sidecar, or one kept from an older local entry: claim it for our pick;
+        # Redis answers with the binding in force.
         winner, existed = await self.sessions.claim(key, d.candidates[0])
         if not existed:
             self.metrics.affinity.labels("miss").inc()
+            return d
+        if winner == req.bound:  # the binding the decision assumed still holds
+            self.metrics.affinity.labels("hit").inc()
             return d
         # The session was bound already (earlier, or by another replica): decide again knowing it.
         again = decide(

@@ -3,9 +3,14 @@
 A decision costs at most one Redis round trip, and none for a session seen in the last
 ``local_fresh`` seconds:
 
-* ``cached(key)``: a binding this sidecar read or wrote recently; trusted without asking Redis. Another
-  replica's rebind is therefore seen within ``local_fresh`` (the documented staleness bound). TTLs of
-  keys used from the cache are refreshed in Redis in batches, off the request path.
+* ``cached(key)``: the binding this sidecar last read or wrote, and whether it is fresh (confirmed in
+  the last ``local_fresh`` seconds): a fresh one is trusted without asking Redis, so another replica's
+  rebind is seen within ``local_fresh`` (the documented staleness bound); TTLs of keys used from the
+  cache are refreshed in Redis in batches, off the request path. An older one is still what the
+  decision assumes (a chat's next turn comes seconds or minutes later, rarely within ``local_fresh``),
+  and the decision confirms it with ``claim``'s one round trip. Deciding as if the session were new
+  would put it wherever load says, count it there while Redis answers, and then move it to its
+  binding whatever that backend's load: a placement the policy never chose.
 * ``claim(key, node)``: ``SET key node NX GET EX ttl``, one round trip that binds a new session (first
   binding wins across replicas) or returns the existing binding for the caller to follow.
 * ``rebind(key, node)``: overwrite when the bound backend is unhealthy, drained or saturated.
@@ -26,7 +31,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
@@ -37,6 +42,11 @@ from kvgate.metrics import SidecarMetrics
 logger = logging.getLogger(__name__)
 LOCAL_FRESH_S = 2.0  # how long a binding read from Redis is trusted without asking again
 TTL_REFRESH_EVERY_S = 1.0
+
+
+class Cached(NamedTuple):
+    node: str
+    fresh: bool  # usable without a Redis round trip
 
 
 class LocalSessions:
@@ -148,19 +158,20 @@ class SessionStore:
         self._down_until = time.monotonic() + self.config.retry_after_s
         self.metrics.redis_errors.labels(op).inc()
 
-    def cached(self, key: str) -> str | None:
-        """The binding if it can be used without Redis: fresh, or Redis is down (then any age)."""
+    def cached(self, key: str) -> Cached | None:
+        """The binding this sidecar knows, if any; ``fresh`` when it may be used without asking
+        Redis (confirmed within ``LOCAL_FRESH_S``, or Redis is down, then of any age)."""
         entry = self.local.get(key)
         if entry is None:
             return None
         node, confirmed = entry
         if not self.redis_ok:
             self.metrics.redis_fallbacks.inc()
-            return node
+            return Cached(node, True)
         if time.monotonic() - confirmed <= LOCAL_FRESH_S:
             self._touched.add(key)
-            return node
-        return None
+            return Cached(node, True)
+        return Cached(node, False)
 
     async def peek(self, key: str) -> str | None:
         """The binding in force, read only: the local map when it may be trusted, else Redis."""
@@ -193,6 +204,8 @@ class SessionStore:
                     node if prior is None else (prior.decode() if isinstance(prior, bytes) else str(prior))
                 )
                 self.local.set(key, bound, now)
+                if prior is not None:
+                    self._touched.add(key)  # NX left the TTL alone: extend it with the batch
                 return bound, prior is not None
         self.metrics.redis_fallbacks.inc()
         entry = self.local.get(key)
