@@ -1,6 +1,10 @@
+import asyncio
+import itertools
+
 from vllm_sim import tokenizer
 from vllm_sim.engine import Engine, EngineConfig, Request, SchedulingPolicy, run_to_completion
 from vllm_sim.profiles import LLAMA3_8B_H100 as H100
+from vllm_sim.realtime import EngineLoop
 
 
 def prompt(key: int, n: int) -> list[int]:
@@ -160,3 +164,27 @@ def test_prefill_backlog_counts_what_is_left_before_each_first_token() -> None:
     while a.first_token_time is None:
         e.step(1.0)
     assert e.prefill_backlog() == (0, b.prompt_len)  # a decodes now: none of its prompt is left
+
+
+def test_token_events_carry_the_time_their_step_produced_them() -> None:
+    """The real-time loop plans the next step before a handler reads the tokens of the last one, so
+    a handler that took the request's ``last_token_time`` stamped the first token a step late (the
+    TTFT histogram read one decode step high under load). Each event carries its own time."""
+
+    async def scenario() -> None:
+        loop = EngineLoop(Engine(EngineConfig.from_profile(H100, seed=0)))
+        runner = asyncio.create_task(loop.run())
+        try:
+            req = Request("r", tokenizer.encode("x " * 400), 4, loop.sim_now(), ignore_eos=True)
+            queue = loop.submit(req)
+            first = await queue.get()
+            assert first.at == req.first_token_time
+            assert req.last_token_time is not None and req.last_token_time > first.at  # moved on
+            rest = [await queue.get() for _ in range(3)]
+            times = [e.at for e in (first, *rest)]
+            assert all(a is not None and b is not None and a < b for a, b in itertools.pairwise(times))
+            assert rest[-1].at == req.last_token_time == req.finish_time
+        finally:
+            runner.cancel()
+
+    asyncio.run(scenario())

@@ -368,6 +368,36 @@ def test_stream_headers_leave_at_acceptance_and_the_first_event_with_the_first_t
     assert t_headers > 0.1 and t_end - t_headers < 0.05, (t_headers, t_end)
 
 
+def _ttft_histogram(url: str) -> tuple[float, float]:
+    """(sum, count) of the instance's ``vllm:time_to_first_token_seconds``."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    found = {"sum": 0.0, "count": 0.0}
+    for line in text.splitlines():
+        for kind in found:
+            if line.startswith(f"vllm:time_to_first_token_seconds_{kind}"):
+                found[kind] += float(line.rsplit(" ", 1)[1])
+    return found["sum"], found["count"]
+
+
+def test_ttft_metric_is_the_first_tokens_time_never_more_than_the_client_saw(sim: str) -> None:
+    """The histogram counts from the request's arrival to the step that produced its first token, so
+    it can only be shorter than what the client measured (which adds HTTP and parsing). Stamped with
+    the request's latest token time instead, it read one decode step late, above the client's."""
+    s0, c0 = _ttft_histogram(sim)
+    seen = []
+    for i in range(3):
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": words(3000, f"ttft{i}")}],
+            "max_tokens": 8,
+            "stream": True,
+        }
+        seen.append(_timed_post(sim, body)[1])
+    s1, c1 = _ttft_histogram(sim)
+    assert c1 - c0 == 3
+    assert (s1 - s0) / 3 < sum(seen) / 3, (s1 - s0, seen)
+
+
 def test_idle_client_connections_are_closed_after_the_keep_alive_time(tmp_path: Path) -> None:
     s = Supervisor(tmp_path / "run")
     port = free_ports(1)

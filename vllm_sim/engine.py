@@ -115,6 +115,9 @@ class TokenEvent:
     request: Request
     word: str | None  # None when the request ends without a new token (abort)
     finish_reason: str | None
+    # When the token was produced (its step's end). The request's own ``last_token_time`` may have
+    # moved on by the time a handler reads the event: the loop plans the next step first.
+    at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,7 +375,7 @@ class Engine:
                 reason = "length" if req.num_output >= req.max_tokens else "stop"
                 self.running.remove(req)
                 self._finish(req, end, reason)
-            events.append(TokenEvent(req, word, reason))
+            events.append(TokenEvent(req, word, reason, end))
         return StepResult(now, duration, prefill, decode, events)
 
     def _register_full_blocks(self, req: Request) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from vllm_sim import apis, protocol, tokenizer
-from vllm_sim.engine import Engine, EngineConfig, Request, SchedulingPolicy
+from vllm_sim.engine import Engine, EngineConfig, Request, SchedulingPolicy, TokenEvent
 from vllm_sim.faults import Faults
 from vllm_sim.kv_cache import BLOCK_SIZE
 from vllm_sim.metrics import CONTENT_TYPE, InstanceMetrics
@@ -308,8 +308,7 @@ class Instance:
         while True:
             event = await queue.get()
             if event.word is not None:
-                self._observe_token(req, req.last_token_time or 0.0, last)
-                last = req.last_token_time
+                last = self._observe_token(req, event, last)
                 words.append(event.word)
             if event.finish_reason is not None:
                 break
@@ -386,8 +385,7 @@ class Instance:
                     await send("error", message="The engine failed while running this request.", code=500)
                     break
                 if event.word is not None:
-                    self._observe_token(run, run.last_token_time or 0.0, last)
-                    last = run.last_token_time
+                    last = self._observe_token(run, event, last)
                     words.append(event.word)
                     delta = (" " if len(words) > 1 else "") + event.word
                     await send("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
@@ -462,11 +460,15 @@ class Instance:
         _, words, _ = await self._run(prompt_ids, 16, "trsc-" + uuid.uuid4().hex)
         return _json({"text": tokenizer.decode_words(words)})
 
-    def _observe_token(self, req: Request, now: float, last: float | None) -> None:
+    def _observe_token(self, req: Request, event: TokenEvent, last: float | None) -> float:
+        """Record a token's TTFT or gap at the time its step produced it (as vLLM stamps outputs in
+        the engine); the request's ``last_token_time`` may already be the next step's. Returns it."""
+        now = event.at if event.at is not None else req.last_token_time or 0.0
         if last is None:
             self.metrics.ttft.observe(now - req.arrival)
         else:
             self.metrics.observe_token_gap(now - last)
+        return now
 
     def _finish_metrics(self, req: Request) -> None:
         if req.finish_time is not None:
@@ -516,8 +518,7 @@ class Instance:
                 await send(err.body())
                 break
             if event.word is not None:
-                self._observe_token(req, req.last_token_time or 0.0, last)
-                last = req.last_token_time
+                last = self._observe_token(req, event, last)
                 n += 1
                 running = protocol.usage(req.prompt_len, n, req.cached_tokens or 0)
                 await send(builder.token_chunk(" " + event.word, event.finish_reason, running))
