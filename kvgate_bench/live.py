@@ -304,17 +304,22 @@ def run_target(
     sup = Supervisor(out / "run" / target.replace(":", "-"))
     try:
         port = free_ports(args.backends)
-        sup.start_sim(
-            port,
-            args.backends,
-            "sim",
-            "--model",
-            args.model,
-            "--profile",
-            args.profile,
-            "--time-scale",
-            str(args.time_scale),
-        )
+        # One process per backend, as vLLM runs one API server per instance: a burst's parsing and
+        # tokenization for one backend does not hold up the others' engines.
+        for i in range(args.backends):
+            sup.start_sim(
+                port + i,
+                1,
+                f"sim-{i}",
+                "--model",
+                args.model,
+                "--profile",
+                args.profile,
+                "--time-scale",
+                str(args.time_scale),
+                "--seed",
+                str(i),
+            )
         workers = [f"http://127.0.0.1:{port + i}" for i in range(args.backends)]
         url = start_target(sup, target, workers, args.time_scale, peer_cpus)
         lr = asyncio.run(
