@@ -115,9 +115,9 @@ class TokenEvent:
     request: Request
     word: str | None  # None when the request ends without a new token (abort)
     finish_reason: str | None
-    # When the token was produced (its step's end). The request's own ``last_token_time`` may have
+    # When it happened (a token: its step's end). The request's own ``last_token_time`` may have
     # moved on by the time a handler reads the event: the loop plans the next step first.
-    at: float | None = None
+    at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +313,7 @@ class Engine:
             # rather than spin, as vLLM rejects prompts that can never be scheduled.
             head = self.waiting.pop()
             self._finish(head, now, "error")
-            return StepResult(now, 0.0, 0, 0, [TokenEvent(head, None, "error")])
+            return StepResult(now, 0.0, 0, 0, [TokenEvent(head, None, "error", now)])
         return self._execute(scheduled, now)
 
     def _admit(self, scheduled: dict[Request, int], budget: int, now: float) -> None:

@@ -63,7 +63,7 @@ class EngineLoop:
         for rid, queue in list(self._queues.items()):
             req = self.engine.abort(rid, now)
             if req is not None:
-                queue.put_nowait(TokenEvent(req, None, INTERNAL_ERROR))
+                queue.put_nowait(TokenEvent(req, None, INTERNAL_ERROR, now))
         self._queues.clear()
 
     def step_lag(self) -> float:

@@ -463,12 +463,11 @@ class Instance:
     def _observe_token(self, req: Request, event: TokenEvent, last: float | None) -> float:
         """Record a token's TTFT or gap at the time its step produced it (as vLLM stamps outputs in
         the engine); the request's ``last_token_time`` may already be the next step's. Returns it."""
-        now = event.at if event.at is not None else req.last_token_time or 0.0
         if last is None:
-            self.metrics.ttft.observe(now - req.arrival)
+            self.metrics.ttft.observe(event.at - req.arrival)
         else:
-            self.metrics.observe_token_gap(now - last)
-        return now
+            self.metrics.observe_token_gap(event.at - last)
+        return event.at
 
     def _finish_metrics(self, req: Request) -> None:
         if req.finish_time is not None:
