@@ -113,10 +113,14 @@ def test_replicas_share_a_limit_through_redis(stack: Supervisor) -> None:
     a = Gateway(stack, "a", redis_port, sim, 2, extra=extra)
     b = Gateway(stack, "b", redis_port, sim, 2, extra=extra)
     got = []
+    started = time.monotonic()
     for i in range(12):
         got.append(call((a if i % 2 else b).url, KEY_A)[0])
         time.sleep(0.15)  # one sync interval: the other replica has heard of this request
-    assert got.count(200) == 8 and got[-1] == 429, got
+    # The bucket refills at 8 a minute: a slow machine may earn one more while the loop runs. Apart,
+    # the two replicas would admit all 12.
+    refilled = int((time.monotonic() - started) * 8 / 60)
+    assert 8 <= got.count(200) <= 8 + refilled and 429 in got, (got, refilled)
 
 
 def test_the_limiter_alone() -> None:
