@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
@@ -523,3 +524,58 @@ def test_disaggregated_prefill_then_decode_like_vllms_nixl_connector(tmp_path: P
         assert status == 400  # a remote prefill without its blocks
     finally:
         s.stop_all()
+
+
+def test_a_client_that_goes_away_mid_stream_is_an_abort_not_an_error(tmp_path: Path) -> None:
+    """vLLM aborts the request of a client that disconnected and logs no error. Closed under a
+    stream that is still writing, the connection fails the next write; that is the client's abort:
+    the engine request ends and the log holds no traceback."""
+    s = Supervisor(tmp_path / "run")
+    port = free_ports(1)
+    try:
+        s.start_sim(port, 1, "sim", "--model", MODEL)
+        url = f"http://127.0.0.1:{port}"
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "prompt": words(50, "gone"),
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode()
+        for _ in range(3):
+            conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+            conn.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            assert b"data: " in conn.recv(65536) or b"data: " in conn.recv(65536)
+            conn.close()  # mid-stream: hundreds of tokens still to come
+        # 400 tokens each take seconds; a client's disconnect ends its engine request at once
+        wait_until(lambda: http_json("GET", url + "/sim/info")[1]["running"] == 0, timeout=1)
+        assert http_json("GET", url + "/health")[0] == 200
+    finally:
+        s.stop_all()
+    log = (tmp_path / "run" / "sim.log").read_text()
+    assert "Traceback" not in log and "Error handling request" not in log, log
+
+
+def test_a_write_that_finds_the_connection_closed_ends_the_handler_as_a_disconnect() -> None:
+    """The race the test above rarely hits: a stream's second write in one step, after the first
+    found the connection reset, raises before aiohttp's handler cancellation arrives. The middleware
+    makes it the cancellation aiohttp ignores quietly, not a 500 logged with a traceback."""
+    from aiohttp.client_exceptions import ClientConnectionResetError
+    from aiohttp.test_utils import make_mocked_request
+
+    from vllm_sim.engine import EngineConfig
+    from vllm_sim.profiles import LLAMA3_8B_H100
+    from vllm_sim.server import Instance, InstanceConfig
+
+    inst = Instance(InstanceConfig(MODEL, EngineConfig.from_profile(LLAMA3_8B_H100)))
+
+    async def handler(request: Any) -> Any:
+        raise ClientConnectionResetError("Cannot write to closing transport")
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(inst._errors(make_mocked_request("POST", "/v1/chat/completions"), handler))

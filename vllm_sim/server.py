@@ -168,8 +168,14 @@ class Instance:
             if exc.status == 405:
                 return _json({"detail": "Method Not Allowed"}, 405)
             raise
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             raise
+        except ConnectionResetError:
+            # The client went away under a response being written: a write found the transport
+            # closed before aiohttp's handler cancellation arrived (two writes in one step, the
+            # first of which failed). That is the client's abort, as vLLM treats a disconnect, not
+            # a server error for aiohttp to log with a traceback.
+            raise asyncio.CancelledError from None
         except Exception:
             logger.exception("internal error")
             return _error(protocol.ApiError(500, "Internal server error"))
