@@ -18,9 +18,10 @@ word = one token) are built on demand, since a whole trace held as text would ta
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,11 @@ def load_trace(
     duration_s: float | None = None,
     limit: int | None = None,
     model: str = "sim-model",
+    spread: bool = False,
 ) -> list[BenchRequest]:
+    """The trace's requests in ``[start_s, start_s + duration_s)``, arrivals counted from ``start_s``.
+    ``spread`` resolves requests that share a timestamp into arrivals spread over the interval
+    to the next timestamp (see ``spread_ties``)."""
     out: list[BenchRequest] = []
     with path.open() as fh:
         for line in fh:
@@ -124,6 +129,32 @@ def load_trace(
             )
             if limit is not None and len(out) >= limit:
                 break
+    return spread_ties(out) if spread else out
+
+
+def spread_ties(reqs: list[BenchRequest], seed: int = 0) -> list[BenchRequest]:
+    """Requests that share a timestamp, spread over the interval to the next distinct one.
+
+    The conversation trace's timestamps come in 3-second slots (1,180 distinct values for 12,031
+    requests), so sent as written every slot is one burst of ~10 simultaneous requests, and which of
+    them an engine sees first is decided by the sender's and the server's HTTP stacks, not by the
+    trace (live, shorter bodies win; a replay keeps the file's order). Spread, each slot's requests
+    arrive at sorted uniform offsets in the file's order (Poisson arrivals given their count), so
+    the order is the trace's everywhere. A request with a timestamp of its own keeps it, and the
+    last slot spreads over the median interval."""
+    times = sorted({r.arrival for r in reqs})
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    width_of = dict(zip(times, gaps, strict=False))
+    last_width = sorted(gaps)[len(gaps) // 2] if gaps else 0.0
+    rng = random.Random(seed)
+    out: list[BenchRequest] = []
+    for t, group in itertools.groupby(reqs, key=lambda r: r.arrival):
+        slot = list(group)
+        if len(slot) == 1:
+            out.extend(slot)
+            continue
+        offsets = sorted(rng.random() * width_of.get(t, last_width) for _ in slot)
+        out.extend(replace(r, arrival=t + dt) for r, dt in zip(slot, offsets, strict=True))
     return out
 
 
@@ -270,6 +301,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=None, help="trace window length (s)")
     p.add_argument("--limit", type=int, default=None, help="at most this many requests")
     p.add_argument("--model", default="sim-model")
+    p.add_argument(
+        "--arrivals",
+        choices=["file", "spread"],
+        default="file",
+        help="trace: send requests that share a timestamp together (file) or spread over its slot",
+    )
 
 
 def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
@@ -277,7 +314,9 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
     if args.workload == "trace":
         if not args.trace.exists():
             raise SystemExit(f"kvgate-bench: trace {args.trace} not found; pass --trace PATH")
-        return load_trace(args.trace, args.start, args.duration, args.limit, args.model)
+        return load_trace(
+            args.trace, args.start, args.duration, args.limit, args.model, args.arrivals == "spread"
+        )
     if args.workload in ("chat", "chat-sessions"):
         reqs = synthetic_chat(session_header=args.workload == "chat-sessions", model=args.model)
     elif args.workload == "reuse":

@@ -81,6 +81,22 @@ def test_trace_blocks_are_exact_and_shared(tmp_path: Path) -> None:
     assert bound[1] < bound[0] + LLAMA3_8B_H100.alpha_s * 400
 
 
+def test_spread_arrivals_resolve_a_shared_timestamp_over_its_slot_in_file_order(tmp_path: Path) -> None:
+    rows = [{"timestamp": t, "input_length": 10, "output_length": 1, "hash_ids": [i]} for i, t in
+            enumerate([0, 0, 0, 0, 3000, 4000, 5000, 5000, 5000])]  # fmt: skip
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    burst = workloads.load_trace(path)
+    spread = workloads.load_trace(path, spread=True)
+    assert [r.arrival for r in burst] == [0, 0, 0, 0, 3, 4, 5, 5, 5]
+    assert [r.blocks for r in spread] == [r.blocks for r in burst]  # the file's order, same requests
+    times = [r.arrival for r in spread]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    assert all(0 <= t < 3 for t in times[:4]) and times[4:6] == [3, 4]  # own slots stay put
+    assert all(5 <= t < 6 for t in times[6:])  # the last slot: over the median interval, 1 s
+    assert workloads.load_trace(path, spread=True) == spread  # seeded: the same in every run
+
+
 def test_pooled_ideal_matches_the_trace_readme_yardstick() -> None:
     """The README of the trace gives 7.4 % for 3,440 pooled 512-token blocks over the whole hour; our
     pooled capacity for 4 H100s is 3,375 such blocks."""
