@@ -168,8 +168,6 @@ class Instance:
             if exc.status == 405:
                 return _json({"detail": "Method Not Allowed"}, 405)
             raise
-        except asyncio.CancelledError:
-            raise
         except ConnectionResetError:
             # The client went away under a response being written: a write found the transport
             # closed before aiohttp's handler cancellation arrived (two writes in one step, the
