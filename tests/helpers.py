@@ -97,6 +97,7 @@ class Gateway:
         route_headers: bool = True,
         first_byte_timeout_ms: int = 60_000,
         upstream_keepalive_timeout: str = "4s",
+        decision_timeout_ms: int = 50,
         extra: dict[str, Any] | None = None,
         **routing: Any,
     ) -> None:
@@ -119,6 +120,7 @@ class Gateway:
             first_byte_timeout_ms=first_byte_timeout_ms,
             retry_deadline="3s",
             upstream_keepalive_timeout=upstream_keepalive_timeout,
+            decision_timeout_ms=decision_timeout_ms,
         )
         cfg = {**sidecar_config(socket, free_port(), redis_port, sim_port, n, **routing), **(extra or {})}
         if extra:

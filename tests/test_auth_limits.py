@@ -23,6 +23,10 @@ from tests.helpers import Gateway, chat, start_backends
 
 pytestmark = pytest.mark.e2e
 KEY_A, KEY_B = "sk-team-a-0123456789", "sk-team-b-9876543210"
+# Limits are counted by the sidecar's decisions; a request whose decision misses Nginx's budget falls
+# open and is served uncounted (routing must not stop for a slow sidecar). The tests that count give
+# the sidecar a budget a loaded machine cannot miss, so that every request is a counted decision.
+COUNTED_MS = 3000
 
 
 def call(url: str, key: str | None, body: dict[str, Any] | None = None) -> tuple[int, dict[str, str], Any]:
@@ -85,7 +89,7 @@ def test_the_backend_never_sees_the_gateway_key(stack: Supervisor) -> None:
 
 def test_a_key_over_its_rate_gets_429_with_retry_after_and_others_go_on(stack: Supervisor) -> None:
     sim = start_backends(stack, 2)
-    gw = Gateway(stack, "gw", None, sim, 2, extra=keyed())
+    gw = Gateway(stack, "gw", None, sim, 2, decision_timeout_ms=COUNTED_MS, extra=keyed())
     assert [call(gw.url, KEY_B)[0] for _ in range(3)] == [200, 200, 200]
     status, headers, body = call(gw.url, KEY_B)
     assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
@@ -95,7 +99,15 @@ def test_a_key_over_its_rate_gets_429_with_retry_after_and_others_go_on(stack: S
 
 def test_token_limits_count_prompt_and_max_tokens_then_the_real_usage(stack: Supervisor) -> None:
     sim = start_backends(stack, 1)
-    gw = Gateway(stack, "gw", None, sim, 1, extra=keyed(per_key={"tokens_per_minute": 2000}))
+    gw = Gateway(
+        stack,
+        "gw",
+        None,
+        sim,
+        1,
+        decision_timeout_ms=COUNTED_MS,
+        extra=keyed(per_key={"tokens_per_minute": 2000}),
+    )
     small = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     statuses = [call(gw.url, KEY_A, small)[0] for _ in range(12)]
     assert statuses == [200] * 12  # ~ 10 tokens each, counted at admission as prompt + 2
@@ -110,8 +122,8 @@ def test_replicas_share_a_limit_through_redis(stack: Supervisor) -> None:
     stack.start_redis(redis_port)
     sim = start_backends(stack, 2)
     extra = keyed(per_client={"requests_per_minute": 8}, sync_ms=100)
-    a = Gateway(stack, "a", redis_port, sim, 2, extra=extra)
-    b = Gateway(stack, "b", redis_port, sim, 2, extra=extra)
+    a = Gateway(stack, "a", redis_port, sim, 2, decision_timeout_ms=COUNTED_MS, extra=extra)
+    b = Gateway(stack, "b", redis_port, sim, 2, decision_timeout_ms=COUNTED_MS, extra=extra)
     got = []
     started = time.monotonic()
     for i in range(12):
