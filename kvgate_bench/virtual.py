@@ -95,12 +95,15 @@ def replay(
     labels: Sequence[dict[str, str]] | None = None,
     observe: Callable[[float, Registry, Sequence[Engine], Sequence[int]], None] | None = None,
     frontend_per_token_s: float = 0.0,
+    scrape_phase: float = 0.0,
 ) -> Run:
     """``extra``: more config sections (queue, pools, tokens); ``labels``: each backend's labels;
     ``frontend_per_token_s``: frontend time per prompt token on top of the profile's fixed frontend
     time (tokenization: a long prompt reaches the engine later than a short one sent with it);
     ``observe``: called at every scrape with the time, the sidecar's registry, the engines and the
-    prompt tokens each engine's step in progress prefills (to set the load view against the truth)."""
+    prompt tokens each engine's step in progress prefills (to set the load view against the truth);
+    ``scrape_phase``: when the first scrape happens (live, the scrape clock runs independently of the
+    arrivals, so any phase within ``scrape_interval`` is as likely)."""
     started = time.perf_counter()
     cfg = Config.from_mapping(
         {
@@ -153,7 +156,7 @@ def replay(
     events: list[tuple[float, int, int, str, Any]] = []
     for r in requests:
         heapq.heappush(events, (r.arrival / speedup, 1, next(seq), "arrive", r))
-    heapq.heappush(events, (0.0, 0, next(seq), "scrape", None))
+    heapq.heappush(events, (scrape_phase, 0, next(seq), "scrape", None))
     frontend = profile.frontend_s
     remaining = len(requests)
     done = 0

@@ -4,6 +4,7 @@ decision service and simulated engines. A regression in routing quality fails he
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -43,6 +44,26 @@ def test_replay_is_deterministic(chat) -> None:  # type: ignore[no-untyped-def]
     a = replay(reqs[:120], feats, PolicyName.KVGATE, 4, LLAMA3_8B_H100)
     b = replay(reqs[:120], feats, PolicyName.KVGATE, 4, LLAMA3_8B_H100)
     assert [(r.rid, r.backend, r.ttft) for r in a.results] == [(r.rid, r.backend, r.ttft) for r in b.results]
+
+
+def test_the_first_scrape_happens_at_the_phase_asked_then_every_interval(chat) -> None:  # type: ignore[no-untyped-def]
+    """Live, the sidecar's scrape clock runs with its own phase against the arrivals; the twin replays
+    several phases (``--scrape-phases``) to stand for any of them."""
+    reqs, feats = chat
+    seen: list[float] = []
+    run = replay(
+        reqs[:60],
+        feats,
+        PolicyName.KVGATE,
+        4,
+        LLAMA3_8B_H100,
+        scrape_interval=0.5,
+        scrape_phase=0.3,
+        observe=lambda t, *_: seen.append(t),
+    )
+    assert len(run.results) == 60 and len(seen) > 3
+    assert seen[0] == pytest.approx(0.3)
+    assert all(b - a == pytest.approx(0.5) for a, b in itertools.pairwise(seen))
 
 
 def test_a_replay_with_the_gateway_queue_records_each_wait(chat) -> None:  # type: ignore[no-untyped-def]
