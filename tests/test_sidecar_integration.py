@@ -238,7 +238,10 @@ def test_a_sidecar_on_uvloop_decides_like_one_on_asyncio(tmp_path: Path, redis_p
         # The memory diagnosis on a real process: a collection, the live objects by type, and where
         # the suspended coroutines wait (the socket's readers among them).
         status, full = plain.admin("GET", "/debug/memory?objects=1")
-        assert status == 200 and full["objects"]["dict"] > 100 and full["collected"] >= 0
+        assert status == 200 and full["objects"]["dict"] > 0 and full["collected"] >= 0
+        # What imports left is frozen at startup, so full collections (and this walk) skip it: the
+        # walk lists what the sidecar made since.
+        assert full["frozen"] > 10_000 and sum(full["objects"].values()) < full["frozen"]
         assert full["coroutines"] and all(" line " in site for site in full["coroutines"])
         cu.close()
         cp.close()
