@@ -36,7 +36,7 @@ from kvgate.tools.launcher import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate_bench import levers, report
+from kvgate_bench import levers, report, virtual
 from kvgate_bench.report import Progress, Sample, Summary
 from kvgate_bench.workloads import BenchRequest, add_workload_args, build_workload
 
@@ -251,7 +251,7 @@ def start_target(
         extra = KVGATE_VARIANTS[variant] if variant else {}
         redis_port = free_port()
         sup.start_redis(redis_port)
-        interval = max(50, int(500 / time_scale))  # half a simulated second between scrapes
+        interval = max(50, int(virtual.SCRAPE_INTERVAL_S * 1000 / time_scale))  # as the replay's
         sock = str(sup.run_dir / "sidecar.sock")
         cfg: dict[str, Any] = {
             "listen": {"socket": sock, "http_port": free_port()},

@@ -28,8 +28,6 @@ from kvgate_bench.report import Progress, Summary
 from kvgate_bench.workloads import add_workload_args, build_workload
 from vllm_sim.profiles import PROFILES, get_profile
 
-SCRAPE_INTERVAL_S = 0.5  # the replay's, as the live sidecar's at time-scale 1 (``live.run_target``)
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
@@ -68,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             phases = max(1, args.scrape_phases)
             replays: list[Summary] = []
             for k in range(phases):
-                phase = SCRAPE_INTERVAL_S * k / phases
+                phase = virtual.SCRAPE_INTERVAL_S * k / phases
                 label = f"virtual {name}" + (f" (first scrape {phase:.2f} s)" if phases > 1 else "")
                 run = virtual.replay(
                     reqs,
@@ -77,7 +75,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.backends,
                     profile,
                     speedup,
-                    scrape_interval=SCRAPE_INTERVAL_S,
                     scrape_phase=phase,
                     progress=Progress(label),
                 )

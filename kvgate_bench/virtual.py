@@ -35,6 +35,9 @@ from vllm_sim.kv_cache import BLOCK_SIZE, block_hashes
 from vllm_sim.profiles import Profile
 
 T = TypeVar("T")
+# Between two scrapes of the engines' load, in simulated seconds: the replay's, and the live sidecar's
+# in the live benchmarks (``live.start_target`` scales it by the time-scale), so both see load as often.
+SCRAPE_INTERVAL_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +88,7 @@ def replay(
     backends: int,
     profile: Profile,
     speedup: float = 1.0,
-    scrape_interval: float = 0.5,
+    scrape_interval: float = SCRAPE_INTERVAL_S,
     report_delay: float = 0.0,
     seed: int = 0,
     load_factor: float = 1.25,
