@@ -46,11 +46,24 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         sup.stop_all()
 
 
-def config(redis_url: str | None, backends: int = 3, base_port: int = 1, **routing: Any) -> Config:
+def config(
+    redis_url: str | None,
+    backends: int = 3,
+    base_port: int = 1,
+    redis_timeout_ms: int | None = None,
+    **routing: Any,
+) -> Config:
+    redis: dict[str, Any] = {
+        "url": redis_url,
+        "prefix": f"kvgate-{os.urandom(4).hex()}",
+        "retry_after_ms": 50,
+    }
+    if redis_timeout_ms is not None:
+        redis["timeout_ms"] = redis_timeout_ms
     return Config.from_mapping(
         {
             "listen": {"socket": "unused.sock", "http_port": 0, "admin_token": "t0ken"},
-            "redis": {"url": redis_url, "prefix": f"kvgate-{os.urandom(4).hex()}", "retry_after_ms": 50},
+            "redis": redis,
             "scrape": {"interval_ms": 100, "timeout_ms": 80, "unhealthy_after": 2, "healthy_after": 2},
             "routing": routing,
             "backends": [
@@ -409,5 +422,68 @@ def test_a_burst_of_new_sessions_costs_redis_one_connection(redis_url: str) -> N
         assert [s.decode() for s in stored] == [r.candidates[0].id for r in routed]
         await probe.aclose()
         await client.aclose()
+
+    run(scenario())
+
+
+def test_a_burst_spread_over_many_turns_still_costs_redis_one_connection(redis_url: str) -> None:
+    """Live, a burst's decisions arrive over many turns of the loop, not in one: claims issued while
+    a pipeline is out wait for it and go in the next, so the burst still opens no second connection
+    (each new one is a connect and two handshake round trips, the cost that made a burst's claims
+    take 15-40 ms under load)."""
+
+    async def scenario() -> None:
+        cfg = config(redis_url)
+        client = redis_client(cfg)
+        assert client is not None
+        sc = core(cfg, client)
+        probe = aioredis.Redis.from_url(redis_url)
+        await client.ping()  # the sidecar's first connection (the membership seed, in production)
+        before = len(await probe.client_list())
+        tasks = []
+        for i in range(64):
+            tasks.append(asyncio.create_task(sc.service.route(features(i, session=f"spread-{i}"))))
+            await asyncio.sleep(0)  # the next decision arrives in the next turn
+        routed = await asyncio.gather(*tasks)
+        after = len(await probe.client_list())
+        assert after == before, (before, after)
+        stored = await probe.mget([f"{cfg.redis.prefix}:s:h:spread-{i}" for i in range(64)])
+        assert [s.decode() for s in stored] == [r.candidates[0].id for r in routed]
+        await probe.aclose()
+        await client.aclose()
+
+    run(scenario())
+
+
+def test_claims_queued_behind_a_pipeline_that_times_out_fail_with_it() -> None:
+    """A Redis that hangs: the pipeline out fails at its timeout, and the claims queued behind it fail
+    at the same moment (they would wait on the same server), so their decisions route from local
+    memory after one timeout, not two."""
+
+    async def scenario() -> None:
+        async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read()  # accepts, reads, never answers
+            writer.close()
+
+        server = await asyncio.start_server(hang, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        cfg = config(f"redis://127.0.0.1:{port}/0", redis_timeout_ms=200)
+        client = redis_client(cfg)
+        assert client is not None
+        sc = core(cfg, client)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        first = asyncio.create_task(sc.service.route(features(1, session="hang-1")))
+        await asyncio.sleep(0.05)  # the first claim's pipeline is out, waiting on the hung server
+        second = asyncio.create_task(sc.service.route(features(2, session="hang-2")))
+        await first
+        t_first = loop.time() - t0
+        await second
+        t_second = loop.time() - t0
+        assert 0.15 < t_first < 0.6, t_first
+        assert t_second - t_first < 0.1, (t_first, t_second)  # not a second 200 ms timeout
+        assert sc.sessions.cached("h:hang-2") is not None  # decided from local memory
+        await client.aclose()
+        server.close()
 
     run(scenario())

@@ -19,10 +19,12 @@ Every Redis call has a short explicit timeout. After a failure the store answers
 in-process map for ``retry_after`` before trying Redis again, so a dead Redis costs one timeout per
 interval, not one per request; bindings made meanwhile are written back when Redis returns.
 
-Claims and rebinds issued in one turn of the event loop go to Redis as one pipeline (``Batch``): a
-burst of N new sessions (N clients starting at once) costs one round trip on one connection instead
-of N round trips on N new connections, which measured under load was what pushed the last decisions
-of a burst past Nginx's 50 ms budget.
+Claims and rebinds go to Redis as pipelines (``Batch``), one in flight at a time: what is issued
+while one is out goes in the next, sent when it returns. A burst of N new sessions (N clients
+starting at once) then costs a few round trips on one connection, not N round trips on N new
+connections: each new connection is a connect and two handshake round trips (redis-py names itself
+with CLIENT SETINFO), which under load took a burst's claims from under 1 ms to 15-40 ms and pushed
+its decisions past Nginx's 50 ms budget.
 """
 
 from __future__ import annotations
@@ -73,47 +75,72 @@ class LocalSessions:
 
 
 class Batch:
-    """Redis commands issued in the same turn of the event loop, sent as one pipeline."""
+    """Redis commands sent as pipelines, one in flight: those issued in the same turn of the event
+    loop, or while the previous pipeline was out, go together when it returns."""
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
         self._pending: list[tuple[str, tuple[Any, ...], dict[str, Any], asyncio.Future[Any]]] = []
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._in_flight: asyncio.Task[Exception | None] | None = None
+        self._scheduled = False
 
     def call(self, command: str, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        if not self._pending:
-            loop.call_soon(self._send)  # after every decision that is ready in this turn
         self._pending.append((command, args, kwargs, future))
+        if self._in_flight is None and not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._send)  # after every decision that is ready in this turn
         return future
 
     def _send(self) -> None:
+        self._scheduled = False
+        if not self._pending or self._in_flight is not None:
+            return
         batch, self._pending = self._pending, []
-        task = asyncio.create_task(self._run(batch))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._in_flight = asyncio.create_task(self._run(batch))
+        self._in_flight.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[Exception | None]) -> None:
+        self._in_flight = None
+        failed = None if task.cancelled() else task.result()
+        if failed is not None:
+            # What waits behind a failed pipeline would wait on the same server: it fails now, and
+            # its callers route from local memory at once instead of after a second timeout.
+            waiting, self._pending = self._pending, []
+            for *_, future in waiting:
+                if not future.done():
+                    future.set_exception(failed)
+            return
+        self._send()  # what was issued while it was out
 
     async def _run(
         self, batch: list[tuple[str, tuple[Any, ...], dict[str, Any], asyncio.Future[Any]]]
-    ) -> None:
+    ) -> Exception | None:
+        """Send one pipeline and resolve its callers' futures; returns the error that failed it."""
         try:
             async with self.client.pipeline(transaction=False) as pipe:
                 for command, args, kwargs, _ in batch:
                     getattr(pipe, command)(*args, **kwargs)
                 results = await pipe.execute(raise_on_error=False)
+            for (*_, future), result in zip(batch, results, strict=True):
+                if future.done():
+                    continue
+                if isinstance(result, Exception):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+            return None
         except (RedisError, OSError) as exc:
             for *_, future in batch:
                 if not future.done():
                     future.set_exception(exc)
-            return
-        for (*_, future), result in zip(batch, results, strict=True):
-            if future.done():
-                continue
-            if isinstance(result, Exception):
-                future.set_exception(result)
-            else:
-                future.set_result(result)
+            return exc
+        finally:
+            # Cancelled (shutdown) or failed in an unforeseen way: no caller may wait forever.
+            for *_, future in batch:
+                if not future.done():
+                    future.set_exception(RedisError("the pipeline ended without a reply"))
 
 
 class SessionStore:
