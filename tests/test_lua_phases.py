@@ -4,6 +4,7 @@ uses, a mock sidecar on the unix socket, and server blocks that play the backend
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -26,7 +27,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_t
 class Phase:
     """Three live backends (ok-a, ok-b, ok-c), one answering 503, one refusing, one too slow."""
 
-    def __init__(self, sup: Supervisor, **settings: Any) -> None:
+    def __init__(self, sup: Supervisor, extra_servers: str = "", **settings: Any) -> None:
         names = ("ok-a", "ok-b", "ok-c", "503", "refused", "refused-2", "slow", "stream")
         self.ports = {name: free_port() for name in names}
         servers = "\n".join(
@@ -35,6 +36,7 @@ class Phase:
                 backend_server(self.ports["503"], '{"error":"busy"}', status=503),
                 backend_server(self.ports["slow"], sleep_s=3),
                 stream_server(self.ports["stream"], first_after_s=0.3, events=5, every_s=0.1),
+                extra_servers,
             ]
         )
         self.sidecar = MockSidecar(
@@ -220,6 +222,41 @@ def test_a_late_decision_is_dropped_and_the_request_falls_open(phase: Phase) -> 
     wait_until(lambda: any(o["k"] == "end" and "i" not in o for o in phase.sidecar.outcomes()))
     metrics = http_json("GET", phase.nginx.url + "/kvgate/metrics")[1]
     assert 'kvgate_gateway_failopen_total{reason="timeout"} 1' in metrics
+
+
+def test_an_answer_in_time_that_a_busy_worker_reads_late_is_used_not_dropped(stack: Supervisor) -> None:
+    """Nginx expires timers before it reads sockets that became readable while it ran handlers: a
+    decision that arrived within the budget while the only worker was busy must still be used (read
+    once more before falling open), and counted as a late reply, not a fail-open."""
+    spin_port = free_port()
+    spin = f"""server {{ listen 127.0.0.1:{spin_port}; location / {{ content_by_lua_block {{
+        local stop = ngx.now() + 0.6
+        while ngx.now() < stop do ngx.update_time() end   -- the worker runs nothing else meanwhile
+        ngx.say("spun")
+    }} }} }}"""
+    p = Phase(stack, extra_servers=spin, decision_timeout_ms=300)
+    try:
+        cands = [["ok-a", p.addr("ok-a")]]
+        busy: list[threading.Thread] = []
+
+        def answer(msg: dict[str, Any]) -> list[dict[str, Any] | float]:
+            # The decision is being waited for: make the worker busy past its timer, then answer
+            # while it is (150 ms, within the 300 ms budget; the spin lasts 600 ms).
+            t = threading.Thread(target=urllib.request.urlopen, args=(f"http://127.0.0.1:{spin_port}/",))
+            t.start()
+            busy.append(t)
+            return [0.15, {"i": msg["i"], "c": cands, "r": "ring"}]
+
+        p.sidecar.answer = answer
+        status, headers, _ = p.post(headers={"X-Session-ID": "busy"})
+        assert status == 200 and headers["X-Kvgate-Route"] == "ring"
+        metrics = http_json("GET", p.nginx.url + "/kvgate/metrics")[1]
+        assert 'kvgate_gateway_late_replies_total{call="decide"} 1' in metrics
+        assert "kvgate_gateway_failopen_total{" not in metrics
+        for t in busy:
+            t.join(5)
+    finally:
+        p.sidecar.close()
 
 
 def test_reports_of_requests_still_open_at_a_reload_are_not_lost(phase: Phase, stack: Supervisor) -> None:

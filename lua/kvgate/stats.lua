@@ -15,7 +15,7 @@ local _M = {}
 -- The decision call as Nginx sees it (socket round trip included), in seconds. Observations collect
 -- in per-worker locals and reach the shared dict with the report flush, every 100 ms, so a request
 -- pays no dict lock for them.
-local DECISION_BUCKETS = { 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1 }
+local DECISION_BUCKETS = { 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1 }
 local NBUCKETS = #DECISION_BUCKETS
 local counts, sum, count = {}, 0, 0
 for i = 1, NBUCKETS + 1 do
@@ -57,6 +57,8 @@ end
 local FAMILIES = {
     { name = "kvgate_gateway_failopen_total", prefix = "m:failopen:", label = "reason",
       help = "Requests Nginx routed without a sidecar decision, by why: timeout, refused, error." },
+    { name = "kvgate_gateway_late_replies_total", prefix = "m:late:", label = "call",
+      help = "Sidecar replies read after their timeout fired: in time, but this worker was busy." },
     { name = "kvgate_gateway_errors_total", prefix = "m:errors:", label = "status",
       help = "Errors the gateway answered itself (OpenAI-style JSON), by HTTP status." },
     { name = "kvgate_gateway_reports_lost_total", prefix = "m:lost:", label = "why",
