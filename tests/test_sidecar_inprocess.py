@@ -19,8 +19,10 @@ from kvgate.features import Features, extract
 from kvgate.load import Scraped
 from kvgate.policies import SessionAction
 from kvgate.protocol import Outcome
+from kvgate.sessions import PIPELINES, Batch
 from kvgate.sidecar import Sidecar, build_sidecar
 from kvgate.tools.launcher import Supervisor, free_port, free_ports
+from redis.exceptions import RedisError
 
 from tests.conftest import MODEL
 from tests.helpers import chat
@@ -51,6 +53,7 @@ def config(
     backends: int = 3,
     base_port: int = 1,
     redis_timeout_ms: int | None = None,
+    redis_decision_wait_ms: int | None = None,
     **routing: Any,
 ) -> Config:
     redis: dict[str, Any] = {
@@ -60,6 +63,8 @@ def config(
     }
     if redis_timeout_ms is not None:
         redis["timeout_ms"] = redis_timeout_ms
+    if redis_decision_wait_ms is not None:
+        redis["decision_wait_ms"] = redis_decision_wait_ms
     return Config.from_mapping(
         {
             "listen": {"socket": "unused.sock", "http_port": 0, "admin_token": "t0ken"},
@@ -426,11 +431,11 @@ def test_a_burst_of_new_sessions_costs_redis_one_connection(redis_url: str) -> N
     run(scenario())
 
 
-def test_a_burst_spread_over_many_turns_still_costs_redis_one_connection(redis_url: str) -> None:
+def test_a_burst_spread_over_many_turns_opens_no_connection_past_the_warm_ones(redis_url: str) -> None:
     """Live, a burst's decisions arrive over many turns of the loop, not in one: claims issued while
-    a pipeline is out wait for it and go in the next, so the burst still opens no second connection
-    (each new one is a connect and two handshake round trips, the cost that made a burst's claims
-    take 15-40 ms under load)."""
+    every pipeline is out wait for the next to leave, on the connections opened at startup, so the
+    burst opens none (each new one is a connect and two handshake round trips, the cost that made a
+    burst's claims take 15-40 ms under load)."""
 
     async def scenario() -> None:
         cfg = config(redis_url)
@@ -438,8 +443,10 @@ def test_a_burst_spread_over_many_turns_still_costs_redis_one_connection(redis_u
         assert client is not None
         sc = core(cfg, client)
         probe = aioredis.Redis.from_url(redis_url)
-        await client.ping()  # the sidecar's first connection (the membership seed, in production)
+        base = len(await probe.client_list())
+        await sc.sessions.warm()
         before = len(await probe.client_list())
+        assert before - base == PIPELINES, (base, before)
         tasks = []
         for i in range(64):
             tasks.append(asyncio.create_task(sc.service.route(features(i, session=f"spread-{i}"))))
@@ -455,10 +462,78 @@ def test_a_burst_spread_over_many_turns_still_costs_redis_one_connection(redis_u
     run(scenario())
 
 
-def test_claims_queued_behind_a_pipeline_that_times_out_fail_with_it() -> None:
-    """A Redis that hangs: the pipeline out fails at its timeout, and the claims queued behind it fail
-    at the same moment (they would wait on the same server), so their decisions route from local
-    memory after one timeout, not two."""
+class _DelayingProxy:
+    """A TCP proxy in front of a real Redis that holds every reply ``delay_s``: Redis waiting for a
+    core, as it does on a loaded machine."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        self.target_port, self.delay_s = target_port, delay_s
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
+        try:
+            while data := await reader.read(65536):
+                await asyncio.sleep(delay)
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        rr, rw = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.writers += [cw, rw]
+        await asyncio.gather(self._pipe(cr, rw, 0.0), self._pipe(rr, cw, self.delay_s))
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for w in self.writers:
+            w.close()
+        await asyncio.sleep(0.05)  # the pipes see their sockets close and end
+
+
+def test_a_decision_does_not_wait_for_a_slow_redis_and_its_claim_still_lands(redis_url: str) -> None:
+    """Redis answering in 150 ms (up, but behind busy cores): the decision waits its 20 ms and is
+    answered with its own pick; the claim goes on, binds the session in Redis and in the local map,
+    and Redis is not taken for down (its timeout is 1 s)."""
+
+    async def scenario() -> None:
+        proxy = _DelayingProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]), 0.15)
+        cfg = config(await proxy.start(), redis_timeout_ms=1000, redis_decision_wait_ms=20)
+        client = redis_client(cfg)
+        assert client is not None
+        sc = core(cfg, client)
+        await sc.sessions.warm()  # the connections (their handshakes are delayed too)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        routed = await sc.service.route(features(7, session="slow-redis"))
+        waited = loop.time() - t0
+        assert waited < 0.1, waited
+        assert sc.metrics.registry.get_sample_value("kvgate_redis_late_total") == 1
+        pick = routed.candidates[0].id
+        await asyncio.sleep(0.4)  # the claim's reply arrives
+        probe = aioredis.Redis.from_url(redis_url)
+        assert await probe.get(f"{cfg.redis.prefix}:s:h:slow-redis") == pick.encode()
+        cached = sc.sessions.cached("h:slow-redis")
+        assert cached is not None and cached.node == pick and cached.fresh
+        assert sc.sessions.redis_ok
+        await probe.aclose()
+        await client.aclose()
+        await proxy.close()
+
+    run(scenario())
+
+
+def test_commands_queued_behind_a_pipeline_that_times_out_fail_with_it() -> None:
+    """A Redis that hangs, every pipeline out: the commands queued behind them fail when the first
+    one does (they would wait on the same server), not after a timeout of their own."""
 
     async def scenario() -> None:
         async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -470,19 +545,24 @@ def test_claims_queued_behind_a_pipeline_that_times_out_fail_with_it() -> None:
         cfg = config(f"redis://127.0.0.1:{port}/0", redis_timeout_ms=200)
         client = redis_client(cfg)
         assert client is not None
-        sc = core(cfg, client)
+        batch = Batch(client)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        first = asyncio.create_task(sc.service.route(features(1, session="hang-1")))
-        await asyncio.sleep(0.05)  # the first claim's pipeline is out, waiting on the hung server
-        second = asyncio.create_task(sc.service.route(features(2, session="hang-2")))
-        await first
-        t_first = loop.time() - t0
-        await second
-        t_second = loop.time() - t0
-        assert 0.15 < t_first < 0.6, t_first
-        assert t_second - t_first < 0.1, (t_first, t_second)  # not a second 200 ms timeout
-        assert sc.sessions.cached("h:hang-2") is not None  # decided from local memory
+        out = []
+        for i in range(PIPELINES):
+            out.append(batch.call("get", f"k{i}"))
+            await asyncio.sleep(0.01)  # each its own pipeline
+        queued = batch.call("get", "queued")
+        ended: dict[str, float] = {}
+        for name, fut in [("first", out[0]), ("queued", queued)]:
+            with pytest.raises(RedisError):
+                await fut
+            ended[name] = loop.time() - t0
+        assert 0.15 < ended["first"] < 0.6, ended
+        assert ended["queued"] - ended["first"] < 0.1, ended  # not a second 200 ms timeout
+        for fut in out[1:]:
+            with pytest.raises(RedisError):
+                await fut
         await client.aclose()
         server.close()
 

@@ -165,6 +165,7 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
     async def control_ctx(app: web.Application) -> AsyncIterator[None]:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256, keepalive_timeout=30))
         await membership.seed(config.backends)
+        await sessions.warm()  # the pipelines' connections, before a burst has to open them
         # Discovered backends join before the first scrape, so a DNS-only fleet serves from the start.
         owned = [await discover_once(d, membership, set()) for d in config.discovery]
         # One round before serving, so the first decisions see health, load and models.

@@ -23,7 +23,10 @@ class SidecarMetrics:
             registry=r,
         )
         self.affinity = Counter(
-            "kvgate_affinity", "Session-key outcomes: hit, miss, rebind.", ["outcome"], registry=r
+            "kvgate_affinity",
+            "Session-key outcomes: hit, miss, rebind, unconfirmed (Redis answered after the decision).",
+            ["outcome"],
+            registry=r,
         )
         self.unknown_model = Counter(
             "kvgate_unknown_model", "Requests for a model no backend serves.", registry=r
@@ -36,6 +39,12 @@ class SidecarMetrics:
             registry=r,
         )
         self.redis_errors = Counter("kvgate_redis_errors", "Failed Redis calls.", ["op"], registry=r)
+        self.redis_late = Counter(
+            "kvgate_redis_late",
+            "Session round trips a decision stopped waiting for (redis.decision_wait_ms); they completed "
+            "in the background.",
+            registry=r,
+        )
         self.redis_fallbacks = Counter(
             "kvgate_redis_fallbacks", "Session lookups answered from local memory (Redis down).", registry=r
         )

@@ -463,12 +463,17 @@ class DecisionService:
             return d
         if d.session is SessionAction.REBIND:
             self.metrics.affinity.labels("rebind").inc()
-            await self.sessions.rebind(key, d.candidates[0])
+            await self.sessions.within(self.sessions.rebind(key, d.candidates[0]))
             logger.debug("rebound %s from %s to %s (%s)", key, req.bound, d.candidates[0], d.label)
             return d
         # A key new to this sidecar, or one kept from an older local entry: claim it for our pick;
-        # Redis answers with the binding in force.
-        winner, existed = await self.sessions.claim(key, d.candidates[0])
+        # Redis answers with the binding in force. A Redis too slow to answer within the decision's
+        # wait leaves the decision as made: its claim lands later, and the next turn follows it.
+        claimed = await self.sessions.within(self.sessions.claim(key, d.candidates[0]))
+        if claimed is None:
+            self.metrics.affinity.labels("unconfirmed").inc()
+            return d
+        winner, existed = claimed
         if not existed:
             self.metrics.affinity.labels("miss").inc()
             return d
@@ -483,7 +488,7 @@ class DecisionService:
             self.metrics.affinity.labels("hit").inc()
             return again
         self.metrics.affinity.labels("rebind").inc()
-        await self.sessions.rebind(key, again.candidates[0])
+        await self.sessions.within(self.sessions.rebind(key, again.candidates[0]))
         return again
 
     def report(self, outcomes: Iterable[Outcome]) -> None:

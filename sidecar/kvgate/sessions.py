@@ -19,12 +19,19 @@ Every Redis call has a short explicit timeout. After a failure the store answers
 in-process map for ``retry_after`` before trying Redis again, so a dead Redis costs one timeout per
 interval, not one per request; bindings made meanwhile are written back when Redis returns.
 
-Claims and rebinds go to Redis as pipelines (``Batch``), one in flight at a time: what is issued
-while one is out goes in the next, sent when it returns. A burst of N new sessions (N clients
-starting at once) then costs a few round trips on one connection, not N round trips on N new
-connections: each new connection is a connect and two handshake round trips (redis-py names itself
-with CLIENT SETINFO), which under load took a burst's claims from under 1 ms to 15-40 ms and pushed
-its decisions past Nginx's 50 ms budget.
+Claims and rebinds go to Redis as pipelines (``Batch``), at most ``PIPELINES`` in flight on
+connections opened at startup (``warm``): what is issued while they are all out goes in the next one
+to leave. A burst of N new sessions (N clients starting at once) then costs a few round trips on
+open connections, not N round trips on N new ones: each new connection is a connect and two
+handshake round trips (redis-py names itself with CLIENT SETINFO), which under load took a burst's
+claims to 15-40 ms. Several in flight, not one: Redis answers all its readable clients in one wakeup,
+so under CPU contention parallel pipelines cost one wait for a core where a chain of them costs one
+each (measured: one in flight left a burst's claims at 20-41 ms).
+
+A decision waits for its Redis round trip at most ``decision_wait_s`` (``within``): past it, Redis
+is queued behind busy cores rather than down, and the decision is answered with what it assumed
+while the claim goes on; its answer still lands in the local map (and the binding in Redis), so the
+session's next turn follows it.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import Any, NamedTuple
+from collections.abc import Coroutine
+from typing import Any, NamedTuple, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
@@ -42,6 +50,8 @@ from kvgate.config import RedisConfig
 from kvgate.metrics import SidecarMetrics
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+PIPELINES = 4  # Redis pipelines in flight at once, on connections opened at startup
 LOCAL_FRESH_S = 2.0  # how long a binding read from Redis is trusted without asking again
 TTL_REFRESH_EVERY_S = 1.0
 
@@ -75,44 +85,45 @@ class LocalSessions:
 
 
 class Batch:
-    """Redis commands sent as pipelines, one in flight: those issued in the same turn of the event
-    loop, or while the previous pipeline was out, go together when it returns."""
+    """Redis commands sent as pipelines, at most ``PIPELINES`` in flight: those issued in the same
+    turn of the event loop, or while every pipeline was out, go together in the next to leave."""
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.client = client
         self._pending: list[tuple[str, tuple[Any, ...], dict[str, Any], asyncio.Future[Any]]] = []
-        self._in_flight: asyncio.Task[Exception | None] | None = None
+        self._in_flight: set[asyncio.Task[Exception | None]] = set()
         self._scheduled = False
 
     def call(self, command: str, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._pending.append((command, args, kwargs, future))
-        if self._in_flight is None and not self._scheduled:
+        if len(self._in_flight) < PIPELINES and not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._send)  # after every decision that is ready in this turn
         return future
 
     def _send(self) -> None:
         self._scheduled = False
-        if not self._pending or self._in_flight is not None:
+        if not self._pending or len(self._in_flight) >= PIPELINES:
             return
         batch, self._pending = self._pending, []
-        self._in_flight = asyncio.create_task(self._run(batch))
-        self._in_flight.add_done_callback(self._sent)
+        task = asyncio.create_task(self._run(batch))
+        self._in_flight.add(task)
+        task.add_done_callback(self._sent)
 
     def _sent(self, task: asyncio.Task[Exception | None]) -> None:
-        self._in_flight = None
+        self._in_flight.discard(task)
         failed = None if task.cancelled() else task.result()
         if failed is not None:
-            # What waits behind a failed pipeline would wait on the same server: it fails now, and
-            # its callers route from local memory at once instead of after a second timeout.
+            # What waits for a pipeline would wait on the same server: it fails now, and its
+            # callers route from local memory at once instead of after a second timeout.
             waiting, self._pending = self._pending, []
             for *_, future in waiting:
                 if not future.done():
                     future.set_exception(failed)
             return
-        self._send()  # what was issued while it was out
+        self._send()  # what was issued while every pipeline was out
 
     async def _run(
         self, batch: list[tuple[str, tuple[Any, ...], dict[str, Any], asyncio.Future[Any]]]
@@ -155,7 +166,7 @@ class SessionStore:
         self.ttl = int(config.session_ttl_s)
         self._set_get = True  # Redis >= 7 accepts SET NX GET; older servers get two commands
         self._batch = Batch(client) if client is not None else None
-        self._writes: set[asyncio.Task[None]] = set()
+        self._writes: set[asyncio.Task[Any]] = set()
 
     def _key(self, key: str) -> str:
         return f"{self.config.prefix}:s:{key}"
@@ -324,6 +335,31 @@ class SessionStore:
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             self._failed(exc, "refresh")
+
+    async def warm(self) -> None:
+        """Open the connections the pipelines will use, before the first request needs them. A
+        Redis that is down now is found by the first claim, as at any other time."""
+        if self.client is None:
+            return
+        results = await asyncio.gather(
+            *(self.client.ping() for _ in range(PIPELINES)), return_exceptions=True
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            logger.warning("redis did not answer at startup (%s); sessions will retry it", failed[0])
+
+    async def within(self, work: Coroutine[Any, Any, T]) -> T | None:
+        """``work``'s result if it ends within ``decision_wait_s``, else None while it goes on: a
+        decision does not wait on a slow Redis past its share of Nginx's budget. Claims and rebinds
+        write what Redis answers into the local map themselves, late or not."""
+        task = asyncio.ensure_future(work)
+        done, _ = await asyncio.wait({task}, timeout=self.config.decision_wait_s)
+        if task in done:
+            return task.result()
+        self.metrics.redis_late.inc()
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        return None
 
     async def refresh_loop(self) -> None:
         while True:

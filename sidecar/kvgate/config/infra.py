@@ -67,7 +67,10 @@ class RedisConfig:
     (a client of it can redirect traffic). AUTH/ACL users and TLS (``rediss://``) are supported."""
 
     url: str | None = DEFAULT_REDIS_URL
-    timeout_s: float = 0.02  # per command: a routing decision never waits longer on Redis
+    timeout_s: float = 0.02  # per command: past it Redis counts as down for retry_after_s
+    # How long a decision waits for its session's Redis round trip; past it the decision is answered
+    # and the claim completes in the background (Redis queued behind busy cores, not down).
+    decision_wait_s: float = 0.01
     connect_timeout_s: float = 0.05
     retry_after_s: float = 1.0  # after a failure, route without Redis this long before trying again
     session_ttl_s: float = 3600.0
@@ -86,6 +89,7 @@ class RedisConfig:
             {
                 "url",
                 "timeout_ms",
+                "decision_wait_ms",
                 "connect_timeout_ms",
                 "retry_after_ms",
                 "session_ttl_s",
@@ -116,6 +120,7 @@ class RedisConfig:
         return cls(
             url=url,
             timeout_s=ms(d, w, "timeout_ms", 20, 1, 5000),
+            decision_wait_s=ms(d, w, "decision_wait_ms", 10, 1, 5000),
             connect_timeout_s=ms(d, w, "connect_timeout_ms", 50, 1, 5000),
             retry_after_s=ms(d, w, "retry_after_ms", 1000, 10, 600_000),
             session_ttl_s=num(d, w, "session_ttl_s", 3600, 1, 30 * 86400),
