@@ -114,7 +114,9 @@ class Batch:
 
     def _sent(self, task: asyncio.Task[Exception | None]) -> None:
         self._in_flight.discard(task)
-        failed = None if task.cancelled() else task.result()
+        failed: BaseException | None = None
+        if not task.cancelled():
+            failed = task.exception() or task.result()  # an unforeseen error fails the queue too
         if failed is not None:
             # What waits for a pipeline would wait on the same server: it fails now, and its
             # callers route from local memory at once instead of after a second timeout.
@@ -352,13 +354,15 @@ class SessionStore:
         """``work``'s result if it ends within ``decision_wait_s``, else None while it goes on: a
         decision does not wait on a slow Redis past its share of Nginx's budget. Claims and rebinds
         write what Redis answers into the local map themselves, late or not."""
+        if not self.redis_ok:
+            return await work  # no round trip to wait for: answered from local memory
         task = asyncio.ensure_future(work)
+        self._writes.add(task)  # held until it ends, even if the decision is cancelled meanwhile
+        task.add_done_callback(self._writes.discard)
         done, _ = await asyncio.wait({task}, timeout=self.config.decision_wait_s)
         if task in done:
             return task.result()
         self.metrics.redis_late.inc()
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
         return None
 
     async def refresh_loop(self) -> None:
