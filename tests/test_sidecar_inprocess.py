@@ -406,36 +406,14 @@ def test_debug_memory_names_every_bounded_structure_beside_its_bound(redis_url: 
     run(scenario())
 
 
-def test_a_burst_of_new_sessions_costs_redis_one_connection(redis_url: str) -> None:
-    """64 decisions arriving together claim their keys in one pipeline: Redis sees one client of this
-    sidecar, not 64 (a burst of clients once pushed the last decisions past Nginx's budget)."""
-
-    async def scenario() -> None:
-        cfg = config(redis_url)
-        client = redis_client(cfg)
-        assert client is not None
-        sc = core(cfg, client)
-        probe = aioredis.Redis.from_url(redis_url)
-        before = len(await probe.client_list())
-        routed = await asyncio.gather(
-            *(sc.service.route(features(i, session=f"burst-{i}")) for i in range(64))
-        )
-        after = len(await probe.client_list())
-        assert after - before <= 1, (before, after)
-        assert all(r.decision.session is SessionAction.BIND for r in routed)
-        stored = await probe.mget([f"{cfg.redis.prefix}:s:h:burst-{i}" for i in range(64)])
-        assert [s.decode() for s in stored] == [r.candidates[0].id for r in routed]
-        await probe.aclose()
-        await client.aclose()
-
-    run(scenario())
-
-
-def test_a_burst_spread_over_many_turns_opens_no_connection_past_the_warm_ones(redis_url: str) -> None:
-    """Live, a burst's decisions arrive over many turns of the loop, not in one: claims issued while
-    every pipeline is out wait for the next to leave, on the connections opened at startup, so the
-    burst opens none (each new one is a connect and two handshake round trips, the cost that made a
-    burst's claims take 15-40 ms under load)."""
+@pytest.mark.parametrize("spread", [False, True], ids=["one-turn", "one-per-turn"])
+def test_a_burst_of_new_sessions_opens_no_redis_connection_past_the_warm_ones(
+    redis_url: str, spread: bool
+) -> None:
+    """64 new sessions decided together (in one turn of the loop) or, as live, one per turn: claims
+    go in pipelines, at most PIPELINES out at once on the connections opened at startup, and those
+    issued while every pipeline is out wait for the next to leave, so the burst opens no connection
+    (each new one is a connect and two handshake round trips: a burst's claims once took 15-40 ms)."""
 
     async def scenario() -> None:
         cfg = config(redis_url)
@@ -449,12 +427,14 @@ def test_a_burst_spread_over_many_turns_opens_no_connection_past_the_warm_ones(r
         assert before - base == PIPELINES, (base, before)
         tasks = []
         for i in range(64):
-            tasks.append(asyncio.create_task(sc.service.route(features(i, session=f"spread-{i}"))))
-            await asyncio.sleep(0)  # the next decision arrives in the next turn
+            tasks.append(asyncio.create_task(sc.service.route(features(i, session=f"burst-{spread}-{i}"))))
+            if spread:
+                await asyncio.sleep(0)  # the next decision arrives in the next turn
         routed = await asyncio.gather(*tasks)
         after = len(await probe.client_list())
         assert after == before, (before, after)
-        stored = await probe.mget([f"{cfg.redis.prefix}:s:h:spread-{i}" for i in range(64)])
+        assert all(r.decision.session is SessionAction.BIND for r in routed)
+        stored = await probe.mget([f"{cfg.redis.prefix}:s:h:burst-{spread}-{i}" for i in range(64)])
         assert [s.decode() for s in stored] == [r.candidates[0].id for r in routed]
         await probe.aclose()
         await client.aclose()
