@@ -131,6 +131,8 @@ class Batch:
         self, batch: list[tuple[str, tuple[Any, ...], dict[str, Any], asyncio.Future[Any]]]
     ) -> Exception | None:
         """Send one pipeline and resolve its callers' futures; returns the error that failed it."""
+        # Cancelled (shutdown) or failed in an unforeseen way: no caller may wait forever.
+        failed: Exception = RedisError("the pipeline ended without a reply")
         try:
             async with self.client.pipeline(transaction=False) as pipe:
                 for command, args, kwargs, _ in batch:
@@ -145,15 +147,12 @@ class Batch:
                     future.set_result(result)
             return None
         except (RedisError, OSError) as exc:
-            for *_, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
+            failed = exc
             return exc
         finally:
-            # Cancelled (shutdown) or failed in an unforeseen way: no caller may wait forever.
             for *_, future in batch:
                 if not future.done():
-                    future.set_exception(RedisError("the pipeline ended without a reply"))
+                    future.set_exception(failed)
 
 
 class SessionStore:
