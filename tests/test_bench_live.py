@@ -80,3 +80,34 @@ def test_compare_runs_each_kvgate_policy_on_fresh_backends(tmp_path: Path) -> No
     assert cfg["queue"]["enabled"] is True and cfg["queue"]["order"] == "shortest"
     assert cfg["routing"]["saturation_prefill_tokens"] == 2048
     assert (tmp_path / "ttft_cdf.png").exists()
+
+
+def test_load_counts_every_decision_of_every_level_through_a_real_gateway(tmp_path: Path) -> None:
+    # Five requests replayed to fill each level's twelve: the levels reuse bodies built once.
+    out = tmp_path / "load.json"
+    code = main(
+        [
+            "load",
+            "--workload",
+            "chat",
+            "--limit",
+            "5",
+            "--concurrency",
+            "2",
+            "4",
+            "--requests",
+            "12",
+            "--backends",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["concurrency"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["requests"] == 12 and r["errors"] == 0, r
+        # Nginx's own count of decision calls, read from its metrics route before and after the level.
+        assert r["decisions"] == 12 and r["failopen_other"] == 0, r
+        assert 0.0 < r["ttft_p50"] <= r["ttft_p99"] and r["sidecar_decision_p99_ms"] > 0, r
