@@ -138,7 +138,9 @@ def test_replicas_share_a_limit_through_redis(stack: Supervisor) -> None:
     inside_one_window(15.0)
     for i in range(12):
         got.append(call((a if i % 2 else b).url, KEY_A)[0])
-        time.sleep(0.15)  # one sync interval: the other replica has heard of this request
+        # Two sync intervals and a margin: one replica's next sync pushes the count, the other's next
+        # one pulls it, so the other replica has heard of this request before the next is sent.
+        time.sleep(0.3)
     # Apart, the two replicas would admit all 12.
     assert got == [200] * 8 + [429] * 4, got
 
