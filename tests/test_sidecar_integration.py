@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -13,6 +16,7 @@ from kvgate import protocol
 from kvgate.features import extract
 from kvgate.protocol import ErrorCode, ErrorReply, PeersQuery, PeersReply
 from kvgate.tools.launcher import Supervisor, free_port
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import http_json, wait_until
 from tests.helpers import chat, start_backends, start_sidecar
@@ -249,3 +253,29 @@ def test_a_sidecar_on_uvloop_decides_like_one_on_asyncio(tmp_path: Path, redis_p
     finally:
         uv_stack.stop_all()
         plain_stack.stop_all()
+
+
+def test_a_stopped_sidecar_reports_the_stall_in_its_loop_lag(stack: Supervisor) -> None:
+    sim = start_backends(stack, 1)
+    sc = start_sidecar(stack, "a", None, sim, 1)
+
+    def lag() -> tuple[float, float]:
+        """(observations, observations over 0.25 s) of the sidecar's event-loop lag."""
+        text = http_json("GET", sc.http + "/metrics")[1]
+        samples = {
+            (s.name, s.labels.get("le")): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if fam.name in ("kvgate_event_loop_lag_seconds", "kvgate_cpu_wait_seconds")
+        }
+        assert ("kvgate_cpu_wait_seconds_total", None) in samples  # Linux: the kernel's run-queue wait
+        count = samples[("kvgate_event_loop_lag_seconds_count", None)]
+        return count, count - samples[("kvgate_event_loop_lag_seconds_bucket", "0.25")]
+
+    wait_until(lambda: lag()[0] > 0, timeout=5)
+    stalls = lag()[1]
+    pid = stack.procs[sc.name].pid
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(0.4)  # the stall being provoked
+    os.kill(pid, signal.SIGCONT)
+    wait_until(lambda: lag()[1] >= stalls + 1, timeout=5)

@@ -26,6 +26,7 @@ from kvgate.decision_socket import DecisionServer
 from kvgate.discovery import discover_once, discovery_loop
 from kvgate.http_api import HttpApi
 from kvgate.limits import RateLimiter
+from kvgate.looplag import lag_loop
 from kvgate.membership import AddressPolicy, Membership
 from kvgate.metrics import SidecarMetrics
 from kvgate.registry import Registry
@@ -176,6 +177,7 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
                 membership_loop(membership, config.scrape.membership_refresh_s), name="membership"
             ),
             asyncio.create_task(sessions.refresh_loop(), name="session-ttls"),
+            asyncio.create_task(lag_loop(metrics.loop_lag), name="loop-lag"),
         ]
         for d, ids in zip(config.discovery, owned, strict=True):
             tasks.append(asyncio.create_task(discovery_loop(d, membership, initial=ids), name=f"dns {d.dns}"))

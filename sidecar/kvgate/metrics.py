@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvgate.looplag import CpuWaitCollector
+
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # 10 ms to 60 s in steps of about 1.5x: fine enough to tell a cache hit from a miss at any load.
 LATENCY_BUCKETS = (
     0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
@@ -22,6 +25,13 @@ class SidecarMetrics:
             buckets=DECISION_BUCKETS,
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "kvgate_event_loop_lag_seconds",
+            "How late the sidecar's event loop runs a timer: how long an arriving line can wait unread.",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        r.register(CpuWaitCollector())
         self.affinity = Counter(
             "kvgate_affinity",
             "Session-key outcomes: hit, miss, rebind, unconfirmed (Redis answered after the decision).",
