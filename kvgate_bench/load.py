@@ -6,7 +6,8 @@ Without ``--url`` it starts its own stack on this machine: simulated backends an
 (redis-server, the sidecar, Nginx), all competing for the same cores as the client. For each
 concurrency it reports the client's TTFT and, from the gateway's ``/kvgate/metrics`` and the sidecar's
 ``/metrics`` read before and after, the decisions made, those that missed Nginx's budget (fail-open by
-timeout), and the decision latency as Nginx and as the sidecar measure it.
+timeout), the decision latency as Nginx and as the sidecar measure it, and whether the sidecar was
+held up: its event loop's worst lag and the time it waited for a core.
 
     kvgate-bench load --concurrency 32 64 --requests 600
 """
@@ -49,6 +50,8 @@ class LoadRow:
     nginx_decision_p99_ms: float
     nginx_decision_p999_ms: float
     sidecar_decision_p99_ms: float
+    sidecar_loop_lag_max_ms: float  # the worst wakeup of the sidecar's loop (bucket bound)
+    sidecar_cpu_wait_ms: float  # time the sidecar's loop thread was ready but waited for a core
 
 
 def _families(text: str) -> dict[str, list[tuple[dict[str, str], float, str]]]:
@@ -152,6 +155,8 @@ async def run_load(
         _hist(g1, "kvgate_gateway_decision_seconds"),
     )
     side_before, side_after = _hist(s0, "kvgate_decision_seconds"), _hist(s1, "kvgate_decision_seconds")
+    lag_name, cpu_wait = "kvgate_event_loop_lag_seconds", "kvgate_cpu_wait_seconds"
+    lag_before, lag_after = _hist(s0, lag_name), _hist(s1, lag_name)
     return LoadRow(
         concurrency=concurrency,
         requests=len(samples),
@@ -168,6 +173,8 @@ async def run_load(
         nginx_decision_p99_ms=_quantile(nginx_before, nginx_after, 0.99) * 1000,
         nginx_decision_p999_ms=_quantile(nginx_before, nginx_after, 0.999) * 1000,
         sidecar_decision_p99_ms=_quantile(side_before, side_after, 0.99) * 1000 if side_after else 0.0,
+        sidecar_loop_lag_max_ms=_quantile(lag_before, lag_after, 1.0) * 1000 if lag_after else 0.0,
+        sidecar_cpu_wait_ms=(_counter(s1, cpu_wait) - _counter(s0, cpu_wait)) * 1000,
     )
 
 
@@ -213,6 +220,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="CPU niceness of the simulated backends and of this client (default 0: the same as the "
         "gateway's). On a fleet they are other machines; here they share the gateway's cores.",
     )
+    p.add_argument(
+        "--pause",
+        type=float,
+        default=0.0,
+        help="seconds of idle before every level after the first: a burst after a quiet spell, when "
+        "upstream keep-alive connections have closed (default 0: levels back to back)",
+    )
     p.add_argument("--out", default="bench-results/load.json")
     args = p.parse_args(argv)
     reqs = build_workload(args)
@@ -228,7 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.others_nice:
             os.nice(args.others_nice)  # this client; the gateway's processes keep theirs
         bodies = encode_bodies(reqs[: args.requests])
-        for c in args.concurrency:
+        for level, c in enumerate(args.concurrency):
+            if level and args.pause > 0:
+                time.sleep(args.pause)
             row = asyncio.run(run_load(url, sidecar_url, reqs, bodies, c, args.requests))
             rows.append(row)
             print(
@@ -239,7 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"decision call (Nginx) "
                 f"p50 <= {row.nginx_decision_p50_ms:g} ms, p99 <= {row.nginx_decision_p99_ms:g} ms, "
                 f"p99.9 <= {row.nginx_decision_p999_ms:g} ms; "
-                f"in the sidecar p99 <= {row.sidecar_decision_p99_ms:g} ms",
+                f"in the sidecar p99 <= {row.sidecar_decision_p99_ms:g} ms; "
+                f"sidecar loop lag max <= {row.sidecar_loop_lag_max_ms:g} ms, "
+                f"waited for a core {row.sidecar_cpu_wait_ms:.0f} ms",
                 flush=True,
             )
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,10 @@ def test_compare_runs_each_kvgate_policy_on_fresh_backends(tmp_path: Path) -> No
 
 
 def test_load_counts_every_decision_of_every_level_through_a_real_gateway(tmp_path: Path) -> None:
-    # Five requests replayed to fill each level's twelve: the levels reuse bodies built once.
+    # Five requests replayed to fill each level's twelve: the levels reuse bodies built once. The
+    # pause outlasts Nginx's upstream keep-alive (4 s): the second level opens new connections.
     out = tmp_path / "load.json"
+    t0 = time.monotonic()
     code = main(
         [
             "load",
@@ -97,6 +100,8 @@ def test_load_counts_every_decision_of_every_level_through_a_real_gateway(tmp_pa
             "4",
             "--requests",
             "12",
+            "--pause",
+            "5",
             "--backends",
             "2",
             "--out",
@@ -104,6 +109,7 @@ def test_load_counts_every_decision_of_every_level_through_a_real_gateway(tmp_pa
         ]
     )
     assert code == 0
+    assert time.monotonic() - t0 >= 5.0  # the pause was kept
     rows = json.loads(out.read_text())["rows"]
     assert [r["concurrency"] for r in rows] == [2, 4]
     for r in rows:
@@ -111,3 +117,5 @@ def test_load_counts_every_decision_of_every_level_through_a_real_gateway(tmp_pa
         # Nginx's own count of decision calls, read from its metrics route before and after the level.
         assert r["decisions"] == 12 and r["failopen_other"] == 0, r
         assert 0.0 < r["ttft_p50"] <= r["ttft_p99"] and r["sidecar_decision_p99_ms"] > 0, r
+        # The sidecar's loop ran its lag timer through the level, and the kernel's wait was read.
+        assert r["sidecar_loop_lag_max_ms"] > 0 and r["sidecar_cpu_wait_ms"] >= 0, r
