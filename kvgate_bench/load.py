@@ -20,7 +20,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -52,6 +52,8 @@ class LoadRow:
     sidecar_decision_p99_ms: float
     sidecar_loop_lag_max_ms: float  # the worst wakeup of the sidecar's loop (bucket bound)
     sidecar_cpu_wait_ms: float  # time the sidecar's loop thread was ready but waited for a core
+    # Per process of the stack (and the client): CPU ms run and ms waited for a core over the level.
+    cpu_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def _families(text: str) -> dict[str, list[tuple[dict[str, str], float, str]]]:
@@ -178,6 +180,34 @@ async def run_load(
     )
 
 
+def stack_pids(sup: Supervisor) -> dict[str, int]:
+    """The processes that share the cores in a local run: the stack's (Nginx's workers, children of
+    its master, each by name) and this client."""
+    pids = {"client": os.getpid()}
+    for name, proc in sup.procs.items():
+        pids[name] = proc.pid
+        try:
+            kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        except OSError:
+            kids = []
+        for i, kid in enumerate(kids):
+            pids[f"{name}-worker-{i}"] = int(kid)
+    return pids
+
+
+def schedstat(pids: dict[str, int]) -> dict[str, tuple[float, float]]:
+    """Each process's main thread: (seconds run, seconds waited for a core) so far, from the kernel.
+    A process (or a kernel) that does not say is left out."""
+    out = {}
+    for name, pid in pids.items():
+        try:
+            run_ns, wait_ns, *_ = Path(f"/proc/{pid}/schedstat").read_text().split()
+            out[name] = (int(run_ns) / 1e9, int(wait_ns) / 1e9)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def start_stack(
     sup: Supervisor, backends: int, profile: str, time_scale: float, model: str
 ) -> tuple[str, str]:
@@ -245,7 +275,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for level, c in enumerate(args.concurrency):
             if level and args.pause > 0:
                 time.sleep(args.pause)
+            pids = stack_pids(sup)
+            before = schedstat(pids)
             row = asyncio.run(run_load(url, sidecar_url, reqs, bodies, c, args.requests))
+            after = schedstat(pids)
+            row.cpu_ms = {
+                n: ((after[n][0] - before[n][0]) * 1000, (after[n][1] - before[n][1]) * 1000)
+                for n in after
+                if n in before
+            }
             rows.append(row)
             print(
                 f"concurrency {c:3}: {row.requests} requests, {row.errors} errors, "
@@ -260,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"waited for a core {row.sidecar_cpu_wait_ms:.0f} ms",
                 flush=True,
             )
+            if row.cpu_ms:
+                spent = ", ".join(f"{n} {r:.0f}/{w:.0f}" for n, (r, w) in row.cpu_ms.items())
+                print(f"      CPU ms run/waited for a core over the level: {spent}", flush=True)
     finally:
         sup.stop_all()
     report.write_json(

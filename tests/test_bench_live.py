@@ -119,3 +119,9 @@ def test_load_counts_every_decision_of_every_level_through_a_real_gateway(tmp_pa
         assert 0.0 < r["ttft_p50"] <= r["ttft_p99"] and r["sidecar_decision_p99_ms"] > 0, r
         # The sidecar's loop ran its lag timer through the level, and the kernel's wait was read.
         assert r["sidecar_loop_lag_max_ms"] > 0 and r["sidecar_cpu_wait_ms"] >= 0, r
+        # Each process's CPU over the level, read from the kernel: the client, the simulators, the
+        # sidecar and both Nginx workers ran.
+        ran = {name for name, (run_ms, wait_ms) in r["cpu_ms"].items() if run_ms > 0 and wait_ms >= 0}
+        assert {"client", "sim", "kvgate-sidecar"} <= ran and sum("worker" in n for n in ran) == 2, r[
+            "cpu_ms"
+        ]
