@@ -52,8 +52,9 @@ class LoadRow:
     sidecar_decision_p99_ms: float
     sidecar_loop_lag_max_ms: float  # the worst wakeup of the sidecar's loop (bucket bound)
     sidecar_cpu_wait_ms: float  # time the sidecar's loop thread was ready but waited for a core
-    # Per process of the stack (and the client): CPU ms run and ms waited for a core over the level.
-    cpu_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Per process of the stack (and the client) over the level: CPU ms run, ms waited for a core, and
+    # the times it was put on a core (each after a wait, so waited / times is the mean wait per wakeup).
+    cpu_ms: dict[str, tuple[float, float, int]] = field(default_factory=dict)
 
 
 def _families(text: str) -> dict[str, list[tuple[dict[str, str], float, str]]]:
@@ -195,14 +196,14 @@ def stack_pids(sup: Supervisor) -> dict[str, int]:
     return pids
 
 
-def schedstat(pids: dict[str, int]) -> dict[str, tuple[float, float]]:
-    """Each process's main thread: (seconds run, seconds waited for a core) so far, from the kernel.
-    A process (or a kernel) that does not say is left out."""
+def schedstat(pids: dict[str, int]) -> dict[str, tuple[float, float, int]]:
+    """Each process's main thread so far, from the kernel: (ms run, ms waited for a core, times put on
+    a core). A process (or a kernel) that does not say is left out."""
     out = {}
     for name, pid in pids.items():
         try:
-            run_ns, wait_ns, *_ = Path(f"/proc/{pid}/schedstat").read_text().split()
-            out[name] = (int(run_ns) / 1e9, int(wait_ns) / 1e9)
+            run_ns, wait_ns, slices = Path(f"/proc/{pid}/schedstat").read_text().split()[:3]
+            out[name] = (int(run_ns) / 1e6, int(wait_ns) / 1e6, int(slices))
         except (OSError, ValueError):
             continue
     return out
@@ -280,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             row = asyncio.run(run_load(url, sidecar_url, reqs, bodies, c, args.requests))
             after = schedstat(pids)
             row.cpu_ms = {
-                n: ((after[n][0] - before[n][0]) * 1000, (after[n][1] - before[n][1]) * 1000)
+                n: (after[n][0] - before[n][0], after[n][1] - before[n][1], after[n][2] - before[n][2])
                 for n in after
                 if n in before
             }
@@ -299,8 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
             if row.cpu_ms:
-                spent = ", ".join(f"{n} {r:.0f}/{w:.0f}" for n, (r, w) in row.cpu_ms.items())
-                print(f"      CPU ms run/waited for a core over the level: {spent}", flush=True)
+                spent = ", ".join(
+                    f"{n} {r:.0f}/{w:.0f}/{w / k if k else 0.0:.2f}" for n, (r, w, k) in row.cpu_ms.items()
+                )
+                print(f"      CPU ms run / waited for a core / mean wait per wakeup: {spent}", flush=True)
     finally:
         sup.stop_all()
     report.write_json(

@@ -121,7 +121,6 @@ def test_load_counts_every_decision_of_every_level_through_a_real_gateway(tmp_pa
         assert r["sidecar_loop_lag_max_ms"] > 0 and r["sidecar_cpu_wait_ms"] >= 0, r
         # Each process's CPU over the level, read from the kernel: the client, the simulators, the
         # sidecar and both Nginx workers ran.
-        ran = {name for name, (run_ms, wait_ms) in r["cpu_ms"].items() if run_ms > 0 and wait_ms >= 0}
-        assert {"client", "sim", "kvgate-sidecar"} <= ran and sum("worker" in n for n in ran) == 2, r[
-            "cpu_ms"
-        ]
+        ran = {n for n, (run_ms, _, wakeups) in r["cpu_ms"].items() if run_ms > 0 and wakeups > 0}
+        assert {"client", "sim", "kvgate-sidecar"} <= ran, r["cpu_ms"]
+        assert sum("worker" in n for n in ran) == 2, r["cpu_ms"]
