@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
+from kvgate.looplag import SchedStat, read_schedstat
 from kvgate.nginx_conf import NginxSettings
 from kvgate.tools.launcher import Supervisor, free_port, free_ports, launch_replica
 from prometheus_client.parser import text_string_to_metric_families
@@ -196,17 +197,10 @@ def stack_pids(sup: Supervisor) -> dict[str, int]:
     return pids
 
 
-def schedstat(pids: dict[str, int]) -> dict[str, tuple[float, float, int]]:
-    """Each process's main thread so far, from the kernel: (ms run, ms waited for a core, times put on
-    a core). A process (or a kernel) that does not say is left out."""
-    out = {}
-    for name, pid in pids.items():
-        try:
-            run_ns, wait_ns, slices = Path(f"/proc/{pid}/schedstat").read_text().split()[:3]
-            out[name] = (int(run_ns) / 1e6, int(wait_ns) / 1e6, int(slices))
-        except (OSError, ValueError):
-            continue
-    return out
+def schedstat(pids: dict[str, int]) -> dict[str, SchedStat]:
+    """Each process's main thread so far, as the kernel counts it; one that does not say is left out."""
+    stats = {name: read_schedstat(f"/proc/{pid}/schedstat") for name, pid in pids.items()}
+    return {name: stat for name, stat in stats.items() if stat is not None}
 
 
 def start_stack(
@@ -281,7 +275,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             row = asyncio.run(run_load(url, sidecar_url, reqs, bodies, c, args.requests))
             after = schedstat(pids)
             row.cpu_ms = {
-                n: (after[n][0] - before[n][0], after[n][1] - before[n][1], after[n][2] - before[n][2])
+                n: (
+                    (after[n].run_s - before[n].run_s) * 1000,
+                    (after[n].wait_s - before[n].wait_s) * 1000,
+                    after[n].slices - before[n].slices,
+                )
                 for n in after
                 if n in before
             }

@@ -9,7 +9,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from kvgate.looplag import CpuWaitCollector, cpu_wait_s, lag_loop, parse_schedstat
+from kvgate.looplag import CpuWaitCollector, SchedStat, lag_loop, parse_schedstat, read_schedstat
 from prometheus_client import CollectorRegistry, Histogram
 
 
@@ -37,7 +37,7 @@ def test_a_held_loop_is_seen_as_lag() -> None:
 
 
 def test_schedstat_is_read_as_seconds_waited_and_its_absence_yields_no_metric(tmp_path: Path) -> None:
-    assert parse_schedstat("123456 2500000000 77\n") == 2.5
+    assert parse_schedstat("123456000 2500000000 77\n") == SchedStat(0.123456, 2.5, 77)
     stat = tmp_path / "schedstat"
     stat.write_text("1000 750000000 3\n")
     registry = CollectorRegistry()
@@ -46,7 +46,7 @@ def test_schedstat_is_read_as_seconds_waited_and_its_absence_yields_no_metric(tm
     missing = CollectorRegistry()
     missing.register(CpuWaitCollector(str(tmp_path / "absent")))
     assert missing.get_sample_value("kvgate_cpu_wait_seconds_total") is None
-    assert cpu_wait_s(str(tmp_path / "absent")) is None
+    assert read_schedstat(str(tmp_path / "absent")) is None
 
 
 def test_cpu_wait_grows_while_another_process_holds_the_only_core() -> None:
@@ -56,7 +56,7 @@ def test_cpu_wait_grows_while_another_process_holds_the_only_core() -> None:
     script = textwrap.dedent(
         """
         import os, subprocess, sys, time
-        from kvgate.looplag import cpu_wait_s
+        from kvgate.looplag import read_schedstat
         core = min(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {core})
         spin = "import os, time\\nos.sched_setaffinity(0, {%d})\\n" % core
@@ -64,10 +64,10 @@ def test_cpu_wait_grows_while_another_process_holds_the_only_core() -> None:
         hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(3)]
         try:
             time.sleep(0.3)  # the spinners start and take their share
-            before, cpu0 = cpu_wait_s(), time.process_time()
+            before, cpu0 = read_schedstat().wait_s, time.process_time()
             while time.process_time() - cpu0 < 0.2:
                 pass
-            print(cpu_wait_s() - before)
+            print(read_schedstat().wait_s - before)
         finally:
             for hog in hogs:
                 hog.kill()

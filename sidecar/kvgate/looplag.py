@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -37,18 +38,28 @@ async def lag_loop(
         lag.observe(max(0.0, clock() - due))
 
 
-def parse_schedstat(text: str) -> float:
-    """Seconds spent waiting on a run queue, from a schedstat line: "<run ns> <wait ns> <slices>"."""
-    return int(text.split()[1]) / 1e9
+class SchedStat(NamedTuple):
+    """A thread's scheduling so far, as the kernel counts it."""
+
+    run_s: float  # on a core
+    wait_s: float  # ready to run, waiting for a core
+    slices: int  # times put on a core
 
 
-def cpu_wait_s(path: str = SCHEDSTAT) -> float | None:
-    """This process's run-queue wait so far, or None where the kernel does not say."""
+def parse_schedstat(text: str) -> SchedStat:
+    """A schedstat line: "<run ns> <wait ns> <slices>"."""
+    run_ns, wait_ns, slices = text.split()[:3]
+    return SchedStat(int(run_ns) / 1e9, int(wait_ns) / 1e9, int(slices))
+
+
+def read_schedstat(path: str = SCHEDSTAT) -> SchedStat | None:
+    """``path``'s figures (``/proc/<pid>/schedstat``: that process's main thread), or None where the
+    kernel does not say."""
     try:
         # A read of procfs: the kernel formats a few numbers, nothing waits on a disk or a peer.
         with open(path, encoding="ascii") as f:
             return parse_schedstat(f.read())
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError):
         return None
 
 
@@ -59,12 +70,12 @@ class CpuWaitCollector(Collector):
         self.path = path
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        waited = cpu_wait_s(self.path)
-        if waited is None:
+        stat = read_schedstat(self.path)
+        if stat is None:
             return
         family = CounterMetricFamily(
             "kvgate_cpu_wait_seconds",
             "Time the sidecar's event-loop thread was ready to run but waited for a core.",
         )
-        family.add_metric([], waited)
+        family.add_metric([], stat.wait_s)
         yield family
