@@ -6,6 +6,7 @@ import json
 import math
 import os
 import signal
+import socket
 import time
 from collections import Counter
 from pathlib import Path
@@ -279,3 +280,30 @@ def test_a_stopped_sidecar_reports_the_stall_in_its_loop_lag(stack: Supervisor) 
     time.sleep(0.4)  # the stall being provoked
     os.kill(pid, signal.SIGCONT)
     wait_until(lambda: lag()[1] >= stalls + 1, timeout=5)
+
+
+def test_a_burst_of_new_connections_waits_in_the_backlog_not_refused(stack: Supervisor) -> None:
+    """A cold burst of clients makes Nginx's workers open one connection per decision at once: while
+    the sidecar is not accepting (stopped here), 300 connections wait in the listen backlog, where
+    asyncio's default of 100 refused the 101st at once (EAGAIN) and its request fell open."""
+    sim = start_backends(stack, 1)
+    sc = start_sidecar(stack, "a", None, sim, 1)
+    pid = stack.procs[sc.name].pid
+    socks: list[socket.socket] = []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for _ in range(300):
+            s = socket.socket(socket.AF_UNIX)
+            socks.append(s)
+            s.settimeout(5)
+            s.connect(str(sc.socket))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        last = socks[-1]  # accepted and served once the sidecar runs again
+        last.sendall(protocol.line(protocol.encode_message(PeersQuery())))
+        reply = protocol.decode_reply(json.loads(last.makefile("rb").readline()))
+        assert isinstance(reply, PeersReply) and reply.peers
+    finally:
+        for s in socks:
+            s.close()

@@ -37,6 +37,11 @@ from kvgate.service import DecisionService, Queued, RateLimited, Routed, Unknown
 
 logger = logging.getLogger(__name__)
 MAX_LINE = 4 * 1024 * 1024  # features of a 128k-token prompt are ~20 KB; this is a safety bound
+# Connections waiting to be accepted. Nginx's workers open one per concurrent decision (then keep
+# them), so a cold burst of a few hundred clients opens a few hundred at once; past the backlog a
+# unix socket refuses at once (EAGAIN), and each refused request falls open. asyncio's default is
+# 100; the kernel caps this at net.core.somaxconn.
+BACKLOG = 1024
 VERSION_LOG_EVERY_S = 10.0  # a version mismatch is logged loudly, but not once per request
 
 
@@ -51,7 +56,7 @@ class DecisionServer:
         """Listen on ``path``: readable and writable by the sidecar's user and ``group`` only."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a stale socket from a previous run (a local, non-blocking unlink)
-        self.server = await asyncio.start_unix_server(self._serve, path=path, limit=MAX_LINE)
+        self.server = await asyncio.start_unix_server(self._serve, path=path, limit=MAX_LINE, backlog=BACKLOG)
         os.chmod(path, 0o660)
         if group is not None:
             os.chown(path, -1, grp.getgrnam(group).gr_gid)
