@@ -10,6 +10,7 @@ import pytest
 import yaml
 from kvgate.tools.launcher import Supervisor, free_ports
 
+from kvgate_bench import decision_latency
 from kvgate_bench.cli import main
 
 pytestmark = pytest.mark.e2e
@@ -124,3 +125,13 @@ def test_load_counts_every_decision_of_every_level_through_a_real_gateway(tmp_pa
         ran = {n for n, (run_ms, _, wakeups) in r["cpu_ms"].items() if run_ms > 0 and wakeups > 0}
         assert {"client", "sim", "kvgate-sidecar"} <= ran, r["cpu_ms"]
         assert sum("worker" in n for n in ran) == 2, r["cpu_ms"]
+
+
+def test_decision_burst_reports_when_the_last_answer_came_and_the_sidecars_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "burst.json"
+    args = ["--burst", "16", "--rounds", "3", "--sizes", "1024", "--out", str(out)]
+    assert decision_latency.main(args) == 0
+    stats = json.loads(out.read_text())["burst"]["1024"]
+    assert 0 < stats["p50_ms"] <= stats["last_p50_ms"] <= stats["last_max_ms"], stats
+    # The kernel's count of the sidecar's CPU over each burst, divided among its decisions.
+    assert stats["sidecar_cpu_per_decision_ms"] > 0, stats
