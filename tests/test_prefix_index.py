@@ -1,4 +1,7 @@
-from kvgate.prefix_index import PrefixIndex
+import random
+
+import pytest
+from kvgate.prefix_index import PrefixIndex, _Generation
 
 
 def test_longest_prefix_per_backend() -> None:
@@ -35,3 +38,40 @@ def test_a_prefix_many_conversations_continue_is_reported_as_shared() -> None:
     idx.record(["sys0", "sys1", "conv-c1"], "n3")
     m = idx.match(["sys0", "sys1", "conv-a1", "conv-a2"], {"n1", "n2", "n3"})
     assert m.shared == 2 and m.depth["n1"] == 4
+
+
+def test_a_segment_hint_never_changes_what_is_found() -> None:
+    gen = _Generation(segment=4)
+    chains = [[f"c{c}-{i}" for i in range(7)] for c in range(5)]
+    for c, chain in enumerate(chains):
+        gen.add_new(chain, f"{c}")
+    gen.set("c1-3", "updated")
+    assert len(gen.parts) > 5  # the chains span many segments
+    for key in [h for chain in chains for h in chain]:
+        for hint in range(len(gen.parts) + 2):
+            entry, where = gen.find(key, hint)
+            assert entry == gen.get(key) and gen.parts[where][key] == entry
+    assert gen.find("absent", 2) == (None, 2)
+
+
+def test_matches_and_records_are_the_same_with_and_without_segment_hints(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Many small segments and two generations' worth of aging: conversations that grow turn by
+    # turn, branch, and come back on other nodes.
+    def run() -> list[tuple[dict[str, int], int]]:
+        rng = random.Random(7)
+        index = PrefixIndex(max_entries=200)
+        out = []
+        for step in range(600):
+            conv = rng.randrange(40)
+            turns = rng.randrange(1, 30)
+            hashes = [f"{conv}-{t}" if t < 20 else f"{conv}-{step}-{t}" for t in range(turns)]
+            m = index.match(hashes, {"a", "b", "c"})
+            out.append((m.depth, m.shared))
+            index.record(hashes, rng.choice("abc"))
+        return out
+
+    hinted = run()
+    monkeypatch.setattr(_Generation, "find", lambda self, h, hint: (self.get(h), hint))
+    assert run() == hinted

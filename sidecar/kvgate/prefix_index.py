@@ -72,6 +72,22 @@ class _Generation:
                 return found
         return None
 
+    def find(self, h: str, hint: int) -> tuple[_Entry | None, int]:
+        """``get``, trying segment ``hint`` first; returns the entry and the segment that held it (the
+        hint for the next hash). A chain's hashes are added together, so a walk down a prompt finds
+        the next hash in the segment that held the last: one lookup instead of one per segment (a full
+        generation has 8). A key lives in one segment only, so where it is found is where it is."""
+        parts = self.parts
+        if hint < len(parts):
+            found = parts[hint].get(h)
+            if found is not None:
+                return found, hint
+        for i in range(len(parts) - 1, -1, -1):
+            found = parts[i].get(h)
+            if found is not None:
+                return found, i
+        return None, hint
+
     def set(self, h: str, entry: _Entry) -> None:
         """Overwrite in place where a segment holds ``h``, else add it."""
         for part in self.parts:
@@ -113,10 +129,12 @@ class PrefixIndex:
             "prefix_index_retired_segments": len(self._retired),
         }
 
-    def _get(self, h: str) -> _Entry | None:
-        found = self._current.get(h)
+    def _get(self, h: str, hints: list[int]) -> _Entry | None:
+        """The entry for ``h`` (a hit in the previous generation is copied forward); ``hints`` are the
+        segments, in the current and the previous generation, where the walk found its last hash."""
+        found, hints[0] = self._current.find(h, hints[0])
         if found is None:
-            found = self._previous.get(h)
+            found, hints[1] = self._previous.find(h, hints[1])
             if found is not None:
                 self._put(h, found)
         return found
@@ -149,8 +167,9 @@ class PrefixIndex:
         depth: dict[str, int] = {}
         shared = 0
         i = 0
+        hints = [0, 0]
         for i, h in enumerate(hashes):
-            entry = self._get(h)
+            entry = self._get(h, hints)
             if entry is None:
                 break
             if _fanout(entry) >= HOT_FANOUT:
@@ -176,10 +195,13 @@ class PrefixIndex:
         if self._retired:
             self._free_some()
         needle = f"{SEP}{node}{SEP}"
+        hint_current = hint_previous = 0
         for i, h in enumerate(hashes):
             current, previous = self._current, self._previous
-            in_current = current.get(h)
-            entry = in_current or previous.get(h)
+            in_current, hint_current = current.find(h, hint_current)
+            entry = in_current
+            if entry is None:
+                entry, hint_previous = previous.find(h, hint_previous)
             if entry is None:
                 self._insert_new(hashes, i, node)
                 return
