@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +16,22 @@ from tests.conftest import MODEL, http_json
 
 
 def sidecar_config(
-    socket_path: Path, http_port: int, redis_port: int | None, sim_port: int, n: int, **routing: Any
+    socket_path: Path,
+    http_port: int,
+    redis_port: int | None,
+    sim_port: int,
+    n: int,
+    redis_extra: Mapping[str, Any] | None = None,
+    **routing: Any,
 ) -> dict[str, Any]:
+    redis: dict[str, Any] = {
+        "url": None if redis_port is None else f"redis://127.0.0.1:{redis_port}/0",
+        "retry_after_ms": 200,
+        **(redis_extra or {}),
+    }
     return {
         "listen": {"socket": str(socket_path), "http_port": http_port, "admin_token": "test-token"},
-        "redis": {
-            "url": None if redis_port is None else f"redis://127.0.0.1:{redis_port}/0",
-            "retry_after_ms": 200,
-        },
+        "redis": redis,
         "scrape": {
             "interval_ms": 100,
             "timeout_ms": 80,
@@ -60,11 +69,27 @@ class Sidecar:
         return http_json(method, self.http + path, body, {"Authorization": "Bearer test-token"})
 
 
+# Redis budgets for tests of what Redis answers (agreement between replicas, bindings that persist):
+# on a busy machine a connect or a round trip can pass the defaults (50 ms to connect and 20 ms per
+# command before Redis is marked down; past a 10 ms wait a decision goes on unconfirmed), and those
+# answers are what these tests check. The defaults have tests of their own.
+PATIENT_MS = 2000
+PATIENT_REDIS = {"timeout_ms": PATIENT_MS, "connect_timeout_ms": PATIENT_MS, "decision_wait_ms": PATIENT_MS}
+
+
 def start_sidecar(
-    stack: Supervisor, name: str, redis_port: int | None, sim_port: int, n: int, **routing: Any
+    stack: Supervisor,
+    name: str,
+    redis_port: int | None,
+    sim_port: int,
+    n: int,
+    redis_extra: Mapping[str, Any] | None = None,
+    **routing: Any,
 ) -> Sidecar:
     """A sidecar alone (no Nginx) over ``n`` simulated backends from ``sim_port``."""
-    cfg = sidecar_config(stack.run_dir / f"{name}.sock", free_port(), redis_port, sim_port, n, **routing)
+    cfg = sidecar_config(
+        stack.run_dir / f"{name}.sock", free_port(), redis_port, sim_port, n, redis_extra, **routing
+    )
     return Sidecar(launch_replica(stack, name, cfg))
 
 

@@ -18,7 +18,7 @@ from kvgate.tools.decision_client import DecisionClient
 from kvgate.tools.launcher import Supervisor, free_port, launch_replica, wait_listening
 
 from tests.conftest import http_json, wait_until
-from tests.helpers import Gateway, chat, sidecar_config, start_backends, start_sidecar
+from tests.helpers import PATIENT_REDIS, Gateway, chat, sidecar_config, start_backends, start_sidecar
 
 pytestmark = pytest.mark.e2e
 
@@ -27,7 +27,7 @@ def test_redis_with_a_password_and_a_sidecar_without_one(stack: Supervisor) -> N
     port = free_port()
     stack.start_redis(port, "redis", "--requirepass", "s3cret")
     sim = start_backends(stack, 2)
-    good = start_sidecar(stack, "good", port, sim, 2)
+    good = start_sidecar(stack, "good", port, sim, 2, redis_extra=PATIENT_REDIS)
     cfg_path = good.config_path
     cfg = yaml.safe_load(cfg_path.read_text())
     cfg["redis"]["password"] = "s3cret"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -25,7 +25,7 @@ from kvgate.tools.launcher import Supervisor, free_port, free_ports
 from redis.exceptions import RedisError
 
 from tests.conftest import MODEL
-from tests.helpers import chat
+from tests.helpers import PATIENT_REDIS, chat
 from vllm_sim.engine import EngineConfig
 from vllm_sim.profiles import LLAMA3_8B_H100
 from vllm_sim.server import Instance, InstanceConfig
@@ -54,6 +54,7 @@ def config(
     base_port: int = 1,
     redis_timeout_ms: int | None = None,
     redis_decision_wait_ms: int | None = None,
+    redis_extra: Mapping[str, Any] | None = None,
     **routing: Any,
 ) -> Config:
     redis: dict[str, Any] = {
@@ -65,6 +66,7 @@ def config(
         redis["timeout_ms"] = redis_timeout_ms
     if redis_decision_wait_ms is not None:
         redis["decision_wait_ms"] = redis_decision_wait_ms
+    redis.update(redis_extra or {})
     return Config.from_mapping(
         {
             "listen": {"socket": "unused.sock", "http_port": 0, "admin_token": "t0ken"},
@@ -99,7 +101,7 @@ def test_two_services_racing_for_a_new_session_agree_on_one_backend(redis_url: s
     re-decides from the winner, and both answer the same backend."""
 
     async def scenario() -> None:
-        cfg = config(redis_url)
+        cfg = config(redis_url, redis_extra=PATIENT_REDIS)
         ca, cb = redis_client(cfg), redis_client(cfg)
         assert ca is not None and cb is not None
         a, b = core(cfg, ca), core(cfg, cb)
@@ -416,7 +418,7 @@ def test_a_burst_of_new_sessions_opens_no_redis_connection_past_the_warm_ones(
     (each new one is a connect and two handshake round trips: a burst's claims once took 15-40 ms)."""
 
     async def scenario() -> None:
-        cfg = config(redis_url)
+        cfg = config(redis_url, redis_extra=PATIENT_REDIS)
         client = redis_client(cfg)
         assert client is not None
         sc = core(cfg, client)

@@ -20,7 +20,7 @@ from kvgate.tools.launcher import Supervisor, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import http_json, wait_until
-from tests.helpers import chat, start_backends, start_sidecar
+from tests.helpers import PATIENT_REDIS, chat, start_backends, start_sidecar
 
 
 @pytest.fixture
@@ -32,7 +32,8 @@ def redis_port(stack: Supervisor) -> int:
 
 def test_two_sidecars_on_one_redis_agree_on_every_binding(stack: Supervisor, redis_port: int) -> None:
     sim = start_backends(stack, 3)
-    a, b = start_sidecar(stack, "a", redis_port, sim, 3), start_sidecar(stack, "b", redis_port, sim, 3)
+    a = start_sidecar(stack, "a", redis_port, sim, 3, redis_extra=PATIENT_REDIS)
+    b = start_sidecar(stack, "b", redis_port, sim, 3, redis_extra=PATIENT_REDIS)
     ca, cb = a.client(), b.client()
     for i in range(60):
         body = {"model": "sim-model", "messages": [{"role": "user", "content": f"hello {i}"}]}
@@ -46,7 +47,7 @@ def test_two_sidecars_on_one_redis_agree_on_every_binding(stack: Supervisor, red
 
 def test_sessions_survive_a_sidecar_restart(stack: Supervisor, redis_port: int) -> None:
     sim = start_backends(stack, 3)
-    sc = start_sidecar(stack, "a", redis_port, sim, 3)
+    sc = start_sidecar(stack, "a", redis_port, sim, 3, redis_extra=PATIENT_REDIS)
     c = sc.client()
     bound = {i: c.decide_body(chat(i, 1)).candidates[0].id for i in range(30)}
     c.close()
@@ -144,7 +145,7 @@ def test_shared_system_prompt_200_conversations_spread_within_bound_and_stick(
     stack: Supervisor, redis_port: int
 ) -> None:
     sim = start_backends(stack, 4)
-    sc = start_sidecar(stack, "a", redis_port, sim, 4)
+    sc = start_sidecar(stack, "a", redis_port, sim, 4, redis_extra=PATIENT_REDIS)
     c = sc.client()
     # Turn 1 of every conversation is in flight at once: the bounded walk spreads the new keys.
     first = {conv: c.decide_body(chat(conv, 1)) for conv in range(200)}
@@ -230,8 +231,8 @@ def test_a_sidecar_on_uvloop_decides_like_one_on_asyncio(tmp_path: Path, redis_p
     plain_stack = Supervisor(tmp_path / "plain")
     try:
         sim = start_backends(plain_stack, 3)
-        uv = start_sidecar(uv_stack, "uv", redis_port, sim, 3)
-        plain = start_sidecar(plain_stack, "plain", redis_port, sim, 3)
+        uv = start_sidecar(uv_stack, "uv", redis_port, sim, 3, redis_extra=PATIENT_REDIS)
+        plain = start_sidecar(plain_stack, "plain", redis_port, sim, 3, redis_extra=PATIENT_REDIS)
         pid = http_json("GET", uv.http + "/healthz")[1]["pid"]
         with open(f"/proc/{pid}/maps") as maps:
             assert "uvloop" in maps.read()  # the loop really is libuv's
