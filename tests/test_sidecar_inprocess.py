@@ -52,8 +52,6 @@ def config(
     redis_url: str | None,
     backends: int = 3,
     base_port: int = 1,
-    redis_timeout_ms: int | None = None,
-    redis_decision_wait_ms: int | None = None,
     redis_extra: Mapping[str, Any] | None = None,
     **routing: Any,
 ) -> Config:
@@ -62,10 +60,6 @@ def config(
         "prefix": f"kvgate-{os.urandom(4).hex()}",
         "retry_after_ms": 50,
     }
-    if redis_timeout_ms is not None:
-        redis["timeout_ms"] = redis_timeout_ms
-    if redis_decision_wait_ms is not None:
-        redis["decision_wait_ms"] = redis_decision_wait_ms
     redis.update(redis_extra or {})
     return Config.from_mapping(
         {
@@ -488,7 +482,7 @@ def test_a_decision_does_not_wait_for_a_slow_redis_and_its_claim_still_lands(red
 
     async def scenario() -> None:
         proxy = _DelayingProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]), 0.15)
-        cfg = config(await proxy.start(), redis_timeout_ms=1000, redis_decision_wait_ms=20)
+        cfg = config(await proxy.start(), redis_extra={"timeout_ms": 1000, "decision_wait_ms": 20})
         client = redis_client(cfg)
         assert client is not None
         sc = core(cfg, client)
@@ -524,7 +518,7 @@ def test_commands_queued_behind_a_pipeline_that_times_out_fail_with_it() -> None
 
         server = await asyncio.start_server(hang, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        cfg = config(f"redis://127.0.0.1:{port}/0", redis_timeout_ms=200)
+        cfg = config(f"redis://127.0.0.1:{port}/0", redis_extra={"timeout_ms": 200})
         client = redis_client(cfg)
         assert client is not None
         batch = Batch(client)
