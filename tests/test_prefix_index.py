@@ -48,9 +48,11 @@ def test_a_segment_hint_never_changes_what_is_found() -> None:
     gen.set("c1-3", "updated")
     assert len(gen.parts) > 5  # the chains span many segments
     for key in [h for chain in chains for h in chain]:
+        held = next(part[key] for part in gen.parts if key in part)  # each key is in one segment
+        assert gen.get(key) == held
         for hint in range(len(gen.parts) + 2):
             entry, where = gen.find(key, hint)
-            assert entry == gen.get(key) and gen.parts[where][key] == entry
+            assert entry == held and gen.parts[where][key] == entry
     assert gen.find("absent", 2) == (None, 2)
 
 
@@ -73,5 +75,12 @@ def test_matches_and_records_are_the_same_with_and_without_segment_hints(
         return out
 
     hinted = run()
-    monkeypatch.setattr(_Generation, "find", lambda self, h, hint: (self.get(h), hint))
+
+    def scan(self: _Generation, h: str, hint: int) -> tuple[str | None, int]:
+        for i in range(len(self.parts) - 1, -1, -1):  # every segment, newest first; the hint unused
+            if h in self.parts[i]:
+                return self.parts[i][h], i
+        return None, hint
+
+    monkeypatch.setattr(_Generation, "find", scan)
     assert run() == hinted

@@ -65,12 +65,7 @@ class _Generation:
         self.size = 0
 
     def get(self, h: str) -> _Entry | None:
-        parts = self.parts
-        for i in range(len(parts) - 1, -1, -1):
-            found = parts[i].get(h)
-            if found is not None:
-                return found
-        return None
+        return self.find(h, len(self.parts) - 1)[0]  # newest segment first
 
     def find(self, h: str, hint: int) -> tuple[_Entry | None, int]:
         """``get``, trying segment ``hint`` first; returns the entry and the segment that held it (the
@@ -83,9 +78,10 @@ class _Generation:
             if found is not None:
                 return found, hint
         for i in range(len(parts) - 1, -1, -1):
-            found = parts[i].get(h)
-            if found is not None:
-                return found, i
+            if i != hint:
+                found = parts[i].get(h)
+                if found is not None:
+                    return found, i
         return None, hint
 
     def set(self, h: str, entry: _Entry) -> None:
