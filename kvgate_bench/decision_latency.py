@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from kvgate import protocol
 from kvgate.features import extract
 from kvgate.looplag import read_schedstat
 from kvgate.protocol import Decide, DecisionReply, encode_message
@@ -61,15 +60,13 @@ def _burst_round(clients: list[DecisionClient], msgs: list[dict[str, Any]]) -> l
     """Write one message on every client, all before reading any answer, as a burst reaches the
     sidecar from Nginx's workers; the time from the first write to each answer. One thread: the
     writes take microseconds, so the client is never what the burst waits for."""
-    lines = [protocol.line(m) for m in msgs]
     t0 = time.perf_counter()
-    for c, line in zip(clients, lines, strict=True):
-        c.file.write(line)
-        c.file.flush()
+    for c, msg in zip(clients, msgs, strict=True):
+        c.send_raw(msg, reply=False)
     got = []
     replies = []
     for c in clients:
-        replies.append(json.loads(c.file.readline()))
+        replies.append(c.read_raw())
         got.append(time.perf_counter() - t0)
     for c, raw in zip(clients, replies, strict=True):
         reply = c.decode(raw)

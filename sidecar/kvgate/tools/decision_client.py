@@ -30,7 +30,11 @@ class DecisionClient:
         """One message as JSON, and the raw decoded answer when ``reply``."""
         self.file.write(protocol.line(obj))
         self.file.flush()
-        return json.loads(self.file.readline()) if reply else None
+        return self.read_raw() if reply else None
+
+    def read_raw(self) -> Any:
+        """The next answer line, decoded as JSON (for callers that sent without waiting)."""
+        return json.loads(self.file.readline())
 
     def call(self, msg: Message) -> Reply | None:
         raw = self.send_raw(protocol.encode_message(msg), reply=not isinstance(msg, Report))
