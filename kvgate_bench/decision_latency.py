@@ -10,21 +10,26 @@ already), so every decision pays its Redis round trip.
     python -m kvgate_bench.decision_latency --sizes 1024 51200 512000
     python -m kvgate_bench.decision_latency --backends 1000 --sessions 1000000
     python -m kvgate_bench.decision_latency --burst 64    # 64 decisions at once, as a client burst
+    python -m kvgate_bench.decision_latency --burst 64 \
+        --trace ../shared/traces/mooncake_conversation_trace.jsonl   # the trace's prompts, new then returning
 
 With ``--burst N``, N connections each send one decision, all written before any answer is read (new
 session keys, so every one claims its key in Redis), as N clients starting together would through
 Nginx's workers; repeated, it reports when the last of each burst was answered (the budget a burst
 must fit in) and the sidecar's CPU per decision in a burst: the sidecar decides one line at a time,
-so a burst of N needs about N times that of one core before its last answer.
+so a burst of N needs about N times that of one core before its last answer. With ``--trace``, the
+bursts are the trace's requests in order, sent twice over: new prompts, then the same ones returning
+(what a load level meets when it repeats the previous level's requests).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,7 @@ from kvgate.tools.decision_client import DecisionClient
 from kvgate.tools.launcher import Supervisor, free_port, free_ports, launch_replica
 
 from kvgate_bench.report import pct, write_json
+from kvgate_bench.workloads import BenchRequest, load_trace
 
 
 def preload_sessions(port: int, n: int, backends: int) -> float:
@@ -59,15 +65,21 @@ def prompt(i: int, size: int) -> dict[str, Any]:
 def _burst_round(clients: list[DecisionClient], msgs: list[dict[str, Any]]) -> list[float]:
     """Write one message on every client, all before reading any answer, as a burst reaches the
     sidecar from Nginx's workers; the time from the first write to each answer. One thread: the
-    writes take microseconds, so the client is never what the burst waits for."""
-    t0 = time.perf_counter()
-    for c, msg in zip(clients, msgs, strict=True):
-        c.send_raw(msg, reply=False)
-    got = []
-    replies = []
-    for c in clients:
-        replies.append(c.read_raw())
-        got.append(time.perf_counter() - t0)
+    writes take microseconds, so the client is never what the burst waits for. Nor is its garbage
+    collector: with a trace's bodies in memory, one young-generation collection in this process took
+    over 100 ms, and would be counted as the sidecar's."""
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for c, msg in zip(clients, msgs, strict=True):
+            c.send_raw(msg, reply=False)
+        got = []
+        replies = []
+        for c in clients:
+            replies.append(c.read_raw())
+            got.append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
     for c, raw in zip(clients, replies, strict=True):
         reply = c.decode(raw)
         assert isinstance(reply, DecisionReply) and reply.candidates, reply
@@ -75,22 +87,39 @@ def _burst_round(clients: list[DecisionClient], msgs: list[dict[str, Any]]) -> l
     return got
 
 
-def burst(socket_path: Path, size: int, n: int, rounds: int, sidecar_pid: int) -> dict[str, float]:
-    """``rounds`` bursts of ``n`` decisions sent at once on ``n`` connections: the latency of each,
-    and the sidecar's CPU per decision (the kernel's count for its loop thread over each burst)."""
-    clients = [DecisionClient(socket_path) for _ in range(n)]
+Burst = list[tuple[dict[str, Any], dict[str, str]]]  # one burst's request bodies and headers
+
+
+def synthetic_bursts(size: int, n: int, rounds: int) -> Iterator[Burst]:
+    """``rounds`` bursts of ``n`` new chat prompts of ``size`` bytes, each a new session."""
+    for r in range(rounds):
+        yield [(prompt(r * n + k, size), {"X-Session-ID": f"b{size}-{r}-{k}"}) for k in range(n)]
+
+
+def trace_bursts(reqs: Sequence[BenchRequest], n: int, rounds: int) -> Iterator[Burst]:
+    """The trace's first ``n * rounds`` requests in order, ``n`` at a time, as Nginx would send them."""
+    for r in range(rounds):
+        batch = reqs[r * n : (r + 1) * n]
+        yield [(q.body(), q.headers) for q in batch]
+
+
+def burst(socket_path: Path, label: str, bursts: Iterable[Burst], sidecar_pid: int) -> dict[str, float]:
+    """Each burst's decisions sent at once, one per connection: the latency of each, and the
+    sidecar's CPU per decision (the kernel's count for its loop thread over each burst)."""
+    clients: list[DecisionClient] = []
     latencies: list[float] = []
     lasts: list[float] = []
     cpu: list[float] = []
-    for r in range(rounds):
+    for bodies in bursts:
+        n = len(bodies)
+        clients += [DecisionClient(socket_path) for _ in range(n - len(clients))]
+        used = clients[:n]
         msgs = [
-            encode_message(
-                Decide(c.next_id(), extract(prompt(r * n + k, size), {"X-Session-ID": f"b{size}-{r}-{k}"}))
-            )
-            for k, c in enumerate(clients)
+            encode_message(Decide(c.next_id(), extract(body, headers)))
+            for c, (body, headers) in zip(used, bodies, strict=True)
         ]
         before = read_schedstat(f"/proc/{sidecar_pid}/schedstat")
-        got = _burst_round(clients, msgs)
+        got = _burst_round(used, msgs)
         time.sleep(0.05)  # the claims' replies from Redis, which the burst's decisions did not wait for
         after = read_schedstat(f"/proc/{sidecar_pid}/schedstat")
         if before is not None and after is not None:
@@ -100,6 +129,7 @@ def burst(socket_path: Path, size: int, n: int, rounds: int, sidecar_pid: int) -
     for c in clients:
         c.close()
     stats = {
+        "decisions": len(latencies),
         "p50_ms": pct(latencies, 0.5) * 1000,
         "p99_ms": pct(latencies, 0.99) * 1000,
         "last_p50_ms": pct(lasts, 0.5) * 1000,
@@ -108,7 +138,7 @@ def burst(socket_path: Path, size: int, n: int, rounds: int, sidecar_pid: int) -
         "sidecar_cpu_per_decision_ms": statistics.median(cpu) * 1000 if cpu else 0.0,
     }
     print(
-        f"burst of {n}, prompt {size / 1024:.1f} KB: each p50 {stats['p50_ms']:.2f} ms "
+        f"burst of {len(clients)}, {label}: each p50 {stats['p50_ms']:.2f} ms "
         f"p99 {stats['p99_ms']:.2f} ms; last of a burst p50 {stats['last_p50_ms']:.2f} ms "
         f"max {stats['last_max_ms']:.2f} ms; over 50 ms {stats['over_50ms']:.2%}; "
         f"sidecar CPU {stats['sidecar_cpu_per_decision_ms']:.3f} ms per decision",
@@ -125,11 +155,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, default=0, help="sessions preloaded into Redis")
     p.add_argument("--burst", type=int, default=0, help="N simultaneous decisions per round (0: sequential)")
     p.add_argument("--rounds", type=int, default=30, help="bursts per prompt size")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        help="with --burst: the trace's requests in order instead of --sizes, every burst sent twice "
+        "over (new prompts, then the same ones returning)",
+    )
+    p.add_argument(
+        "--event-loop", choices=("asyncio", "uvloop"), default="asyncio", help="the sidecar's loop"
+    )
     p.add_argument("--out", default="bench-results/decision_latency.json")
     args = p.parse_args(argv)
     out_dir = Path(args.out).parent
-    sup = Supervisor(out_dir / "decision-latency-run")
-    results: dict[str, Any] = {"backends": args.backends, "sessions": args.sessions, "sizes": {}}
+    sup = Supervisor(out_dir / "decision-latency-run", sidecar_args=("--event-loop", args.event_loop))
+    results: dict[str, Any] = {
+        "backends": args.backends,
+        "sessions": args.sessions,
+        "event_loop": args.event_loop,
+        "sizes": {},
+    }
     try:
         redis_port = free_port()
         sup.start_redis(redis_port)
@@ -151,10 +195,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             ],
         }
         replica = launch_replica(sup, "bench", config)
-        if args.burst:
-            pid = sup.procs[replica.sidecar_name].pid
+        pid = sup.procs[replica.sidecar_name].pid
+        if args.burst and args.trace:
+            # Twice over, as a load level that repeats the previous level's requests: the second
+            # pass's prompts return to what the index and Redis already hold.
+            reqs = load_trace(args.trace, limit=args.burst * args.rounds, model="bench-model")
             results["burst"] = {
-                str(size): burst(socket_path, size, args.burst, args.rounds, pid) for size in args.sizes
+                f"trace-{seen}": burst(
+                    socket_path, f"trace prompts, {seen}", trace_bursts(reqs, args.burst, args.rounds), pid
+                )
+                for seen in ("new", "returning")
+            }
+        elif args.burst:
+            results["burst"] = {
+                str(size): burst(
+                    socket_path,
+                    f"prompt {size / 1024:.1f} KB",
+                    synthetic_bursts(size, args.burst, args.rounds),
+                    pid,
+                )
+                for size in args.sizes
             }
         client = DecisionClient(socket_path)
         for size in [] if args.burst else args.sizes:

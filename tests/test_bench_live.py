@@ -135,3 +135,25 @@ def test_decision_burst_reports_when_the_last_answer_came_and_the_sidecars_cpu(t
     assert 0 < stats["p50_ms"] <= stats["last_p50_ms"] <= stats["last_max_ms"], stats
     # The kernel's count of the sidecar's CPU over each burst, divided among its decisions.
     assert stats["sidecar_cpu_per_decision_ms"] > 0, stats
+
+
+def test_decision_burst_of_trace_prompts_sends_each_burst_new_then_returning(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    rows = [  # six requests; the second and third extend the first's prefix, as a conversation does
+        {"timestamp": 0, "input_length": 1500, "output_length": 10, "hash_ids": [0, 1, 2]},
+        {"timestamp": 0, "input_length": 2000, "output_length": 10, "hash_ids": [0, 1, 2, 3]},
+        {"timestamp": 0, "input_length": 2500, "output_length": 10, "hash_ids": [0, 1, 2, 3, 4]},
+        {"timestamp": 1, "input_length": 700, "output_length": 10, "hash_ids": [5, 6]},
+        {"timestamp": 1, "input_length": 700, "output_length": 10, "hash_ids": [7, 8]},
+        {"timestamp": 2, "input_length": 300, "output_length": 10, "hash_ids": [9]},
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "burst.json"
+    args = ["--burst", "3", "--rounds", "2", "--trace", str(trace), "--out", str(out)]
+    assert decision_latency.main(args) == 0
+    bursts = json.loads(out.read_text())["burst"]
+    assert sorted(bursts) == ["trace-new", "trace-returning"], bursts
+    for stats in bursts.values():
+        assert stats["decisions"] == 6, stats  # two bursts of three, in each pass
+        assert 0 < stats["p50_ms"] <= stats["last_p50_ms"] <= stats["last_max_ms"], stats
+        assert stats["sidecar_cpu_per_decision_ms"] > 0, stats
