@@ -84,3 +84,47 @@ def test_matches_and_records_are_the_same_with_and_without_segment_hints(
 
     monkeypatch.setattr(_Generation, "find", scan)
     assert run() == hinted
+
+
+@pytest.mark.parametrize("bound", [64, 200, 1000, 100_000])
+def test_a_record_that_continues_its_match_leaves_the_index_as_a_full_walk_would(bound: int) -> None:
+    """``record(..., matched)`` skips the chunks its match found the node holding; with generations
+    aging under it (small bounds), conversations that grow, branch and move between nodes, every
+    later match and the index's contents are what walking every chunk again gives."""
+
+    def run(continue_match: bool) -> tuple[list[tuple[dict[str, int], int]], list[dict[str, str]]]:
+        rng = random.Random(bound)
+        index = PrefixIndex(max_entries=bound)
+        out = []
+        for step in range(1500):
+            conv = rng.randrange(40)
+            turns = rng.randrange(1, 30)
+            branch = rng.random() < 0.3
+            hashes = [
+                f"{conv}-{t}" if t < 20 and not (branch and t > 10) else f"{conv}-{step}-{t}"
+                for t in range(turns)
+            ]
+            eligible = {"a", "b", "c", "d"} if rng.random() < 0.8 else {"a", "b"}
+            m = index.match(hashes, eligible)
+            out.append((m.depth, m.shared))
+            node = rng.choice(sorted(eligible))
+            index.record(hashes, node, m if continue_match else None)
+        contents = [
+            {k: v for part in gen.parts for k, v in part.items()} for gen in (index._current, index._previous)
+        ]
+        return out, contents
+
+    assert run(continue_match=True) == run(continue_match=False)
+
+
+def test_a_record_after_a_new_generation_walks_every_chunk_again() -> None:
+    """The chunks a match found were in the generation that has since become the previous one:
+    ``record`` copies them forward, as a full walk does, instead of trusting the match."""
+    idx = PrefixIndex(max_entries=8)  # a generation holds 4 entries
+    idx.record(["a", "b", "c"], "n1")
+    m = idx.match(["a", "b", "c"], {"n1"})
+    assert m.depth == {"n1": 3}
+    idx.record(["x", "y"], "n2")  # the current generation fills up: a new one begins
+    idx.record(["a", "b", "c"], "n1", m)
+    idx.record(["p", "q", "r", "s"], "n2")  # and another: what was not copied forward is dropped
+    assert idx.match(["a", "b", "c"], {"n1"}).depth == {"n1": 3}

@@ -34,6 +34,7 @@ SEGMENTS = 16  # per max_entries: a segment holds at most max_entries / SEGMENTS
 class Match:
     depth: dict[str, int]  # backend -> leading chunks it probably holds
     shared: int  # leading chunks that are common to many requests (up to the deepest branching point)
+    generation: int = -1  # the index's generation when the walk began (see ``record``)
 
 
 # An entry is one string: the fan-out digit, then each holder between separators ("2|b1|b3|"). A
@@ -114,6 +115,7 @@ class PrefixIndex:
         self._current = _Generation(self._segment)
         self._previous = _Generation(self._segment)
         self._retired: list[dict[str, _Entry]] = []  # segments of dropped generations, freed bit by bit
+        self._generation = 0  # how many times the current generation was started
 
     def __len__(self) -> int:
         return self._current.size + self._previous.size
@@ -141,6 +143,7 @@ class PrefixIndex:
             self._age()
 
     def _age(self) -> None:
+        self._generation += 1
         self._retired += self._previous.parts
         self._previous = self._current
         self._current = _Generation(self._segment)
@@ -158,17 +161,25 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[str], eligible: Collection[str]) -> Match:
         """Leading chunks each eligible backend probably holds, and how many are widely shared."""
+        generation = self._generation
         alive: set[str] = set()
         last_nodes: str | None = None
         depth: dict[str, int] = {}
         shared = 0
         i = 0
         hints = [0, 0]
+        segment = self._current.parts[-1]
         for i, h in enumerate(hashes):
-            entry = self._get(h, hints)
+            # The segment that held the last hash, inline: a returning prompt's walk is this one
+            # lookup per chunk. ``_get`` (every segment, then the previous generation) only on a miss.
+            entry = segment.get(h)
             if entry is None:
-                break
-            if _fanout(entry) >= HOT_FANOUT:
+                entry = self._get(h, hints)
+                if entry is None:
+                    break
+                parts = self._current.parts  # a copy forward may have begun a new generation
+                segment = parts[hints[0]] if hints[0] < len(parts) else parts[-1]
+            if ord(entry[0]) - 48 >= HOT_FANOUT:  # _fanout, inline
                 shared = i + 1
             nodes = entry[1:]
             if nodes != last_nodes:
@@ -184,15 +195,27 @@ class PrefixIndex:
             i = len(hashes)
         for n in alive:
             depth[n] = i
-        return Match({n: d for n, d in depth.items() if d > 0}, shared)
+        return Match({n: d for n, d in depth.items() if d > 0}, shared, generation)
 
-    def record(self, hashes: Sequence[str], node: str) -> None:
-        """Remember that ``node`` was sent (and so will cache) every chunk of ``hashes``."""
+    def record(self, hashes: Sequence[str], node: str, matched: Match | None = None) -> None:
+        """Remember that ``node`` was sent (and so will cache) every chunk of ``hashes``.
+
+        ``matched``: this decision's ``match`` of the same hashes. The chunks it found ``node``
+        holding are skipped: the walk copied them into the current generation with ``node`` among
+        their holders, so walking them again would change nothing (a chat's next turn returns to the
+        previous turn's chunks on the backend holding them; walking them twice was two fifths of the
+        index's time in a burst of such turns). Unless a new generation began since the walk: then
+        they sit in the previous one, and are walked again to be copied forward. What another
+        decision records meanwhile (this one awaits its session's claim) can only have pushed
+        ``node`` out of a chunk held by more than ``MAX_HOLDERS`` nodes: a chunk that is everywhere,
+        as far as routing is concerned."""
         if self._retired:
             self._free_some()
         needle = f"{SEP}{node}{SEP}"
         hint_current = hint_previous = 0
-        for i, h in enumerate(hashes):
+        held = matched.depth.get(node, 0) if matched and matched.generation == self._generation else 0
+        for i in range(held, len(hashes)):
+            h = hashes[i]
             current, previous = self._current, self._previous
             in_current, hint_current = current.find(h, hint_current)
             entry = in_current

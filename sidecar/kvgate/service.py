@@ -25,7 +25,7 @@ from kvgate.features import Features, session_key
 from kvgate.limits import DEFAULT_OUTPUT_TOKENS, RateLimiter
 from kvgate.metrics import SidecarMetrics
 from kvgate.policies import Decision, Request, SessionAction, Snapshot, decide, uncached_tokens
-from kvgate.prefix_index import PrefixIndex
+from kvgate.prefix_index import Match, PrefixIndex
 from kvgate.protocol import Candidate, KeysReply, Outcome, OutcomeKind
 from kvgate.queue import GatewayQueue, QueueFull, QueueTimeout, Waiting
 from kvgate.registry import Registry
@@ -90,6 +90,7 @@ class _Plan:
     pool: str | None
     decode: tuple[str, ...] = ()
     confirmed: bool = True  # the session binding the decision assumed needs no Redis round trip
+    matched: Match | None = None  # the prefix index's match, which ``record`` continues from
 
 
 class DecisionService:
@@ -217,6 +218,7 @@ class DecisionService:
         limit = self.config.routing.max_candidates
         depth: dict[str, int] = {}
         shared = 0
+        match = None
         uses_index = policy in (PolicyName.KVGATE, PolicyName.PREFIX)
         if uses_index and f.hashes and snap.nodes:
             match = self.index.match(f.hashes, snap.nodes)
@@ -229,7 +231,7 @@ class DecisionService:
             elif (known := self.sessions.cached(f.key)) is not None:
                 bound, confirmed = known
         req = Request(f, seq, bound, depth, shared)
-        return _Plan(snap, req, decide(policy, req, snap, limit), pool, confirmed=confirmed)
+        return _Plan(snap, req, decide(policy, req, snap, limit), pool, confirmed=confirmed, matched=match)
 
     def _pool_snapshot(self, model: str | None, pool: str) -> tuple[str, Snapshot]:
         """The pool's backends, or the first pool in its spill order that has room (the pool itself
@@ -292,7 +294,7 @@ class DecisionService:
                 primary = decision.candidates[0]
                 self.registry.move(did, primary, uncached(primary))
         if f.hashes and policy in (PolicyName.KVGATE, PolicyName.PREFIX):
-            self.index.record(f.hashes, primary)
+            self.index.record(f.hashes, primary, plan.matched)
         self.metrics.decisions.labels(policy.value, decision.label).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         routed = self._routed(did, policy, plan, priority)
