@@ -100,6 +100,8 @@ def trace_bursts(reqs: Sequence[BenchRequest], n: int, rounds: int) -> Iterator[
     """The trace's first ``n * rounds`` requests in order, ``n`` at a time, as Nginx would send them."""
     for r in range(rounds):
         batch = reqs[r * n : (r + 1) * n]
+        if not batch:
+            return  # a trace shorter than the bursts asked for
         yield [(q.body(), q.headers) for q in batch]
 
 
