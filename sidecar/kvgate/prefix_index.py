@@ -179,7 +179,7 @@ class PrefixIndex:
                     break
                 parts = self._current.parts  # a copy forward may have begun a new generation
                 segment = parts[hints[0]] if hints[0] < len(parts) else parts[-1]
-            if ord(entry[0]) - 48 >= HOT_FANOUT:  # _fanout, inline
+            if _fanout(entry) >= HOT_FANOUT:
                 shared = i + 1
             nodes = entry[1:]
             if nodes != last_nodes:
