@@ -19,6 +19,7 @@ from kvgate.features import Features, extract
 from kvgate.load import Scraped
 from kvgate.policies import SessionAction
 from kvgate.protocol import Outcome
+from kvgate.replicas import BEAT_S, join
 from kvgate.sessions import PIPELINES, Batch
 from kvgate.sidecar import Sidecar, build_sidecar
 from kvgate.tools.launcher import Supervisor, free_port, free_ports
@@ -507,6 +508,116 @@ def test_a_decision_does_not_wait_for_a_slow_redis_and_its_claim_still_lands(red
     run(scenario())
 
 
+async def _until(condition: Any, within_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def test_a_lone_replica_answers_before_its_claims_and_a_shared_one_waits(redis_url: str) -> None:
+    """Redis answering in 150 ms. Counted alone (once it has read Redis's bindings) a sidecar answers
+    a new session's decision at once: the session is bound locally then, and in Redis when the claim
+    lands. Counted with another replica it waits for the claim, which could name the other's pick."""
+
+    async def scenario() -> None:
+        proxy = _DelayingProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]), 0.15)
+        cfg = config(await proxy.start(), redis_extra={"timeout_ms": 1000, "decision_wait_ms": 1000})
+        client = redis_client(cfg)
+        assert client is not None
+        sc = core(cfg, client)
+        sessions = sc.sessions
+        await sessions.warm()
+        probe = aioredis.Redis.from_url(redis_url)
+        loop = asyncio.get_running_loop()
+        preload = sessions.set_replicas(1)
+        assert preload is not None and not sessions.answers_first  # not before the bindings are read
+        await preload
+        assert sessions.answers_first
+        t0 = loop.time()
+        routed = await sc.service.route(features(8, session="alone"))
+        assert loop.time() - t0 < 0.1
+        pick = routed.candidates[0].id
+        assert sessions.cached("h:alone") == (pick, True)  # the next turn may come at once
+        assert sessions.sizes()["redis_writes_in_flight"] == 1  # the claim, on its way
+        await _until(lambda: sessions.sizes()["redis_writes_in_flight"] == 0)
+        assert await probe.get(f"{cfg.redis.prefix}:s:h:alone") == pick.encode()
+        assert sc.metrics.registry.get_sample_value("kvgate_affinity_total", {"outcome": "miss"}) == 1
+
+        sessions.set_replicas(2)
+        assert not sessions.answers_first
+        t0 = loop.time()
+        routed = await sc.service.route(features(9, session="shared"))
+        assert loop.time() - t0 >= 0.15  # it waited for the claim's round trip
+        assert await probe.get(f"{cfg.redis.prefix}:s:h:shared") == routed.candidates[0].id.encode()
+        await probe.aclose()
+        await client.aclose()
+        await proxy.close()
+
+    run(scenario())
+
+
+def test_a_lone_replica_reads_redis_bindings_first_and_follows_them(redis_url: str) -> None:
+    """Bindings a previous life of the sidecar (or a replica that left) made: alone, the sidecar
+    reads them in before it stops waiting for claims, so a returning session goes where it is bound.
+    More bindings than its local map holds leave it waiting for claims: the rest would go blind."""
+
+    async def scenario() -> None:
+        cfg = config(redis_url, redis_extra={"local_sessions": 100})
+        client = redis_client(cfg)
+        assert client is not None
+        for i in range(60):
+            await client.set(f"{cfg.redis.prefix}:s:h:old-{i}", "b2")
+        sc = core(cfg, client)
+        sc.registry.inflight.update({"b0": 0, "b1": 0, "b2": 5})  # a new key would not go to b2
+        preload = sc.sessions.set_replicas(1)
+        assert preload is not None
+        await preload
+        assert sc.sessions.answers_first
+        back = await sc.service.route(features(3, 2, session="old-3"))
+        assert back.candidates[0].id == "b2" and back.decision.session is SessionAction.KEEP
+
+        crowded = config(redis_url, redis_extra={"local_sessions": 100})
+        for i in range(150):
+            await client.set(f"{crowded.redis.prefix}:s:h:many-{i}", "b1")
+        other = core(crowded, client)
+        preload = other.sessions.set_replicas(1)
+        assert preload is not None
+        await preload
+        assert not other.sessions.answers_first
+        await client.aclose()
+
+    run(scenario())
+
+
+def test_a_binding_a_lone_replica_did_not_know_follows_the_request_and_claims_are_awaited_again(
+    redis_url: str,
+) -> None:
+    """Alone, the sidecar answered before its claim; the claim found the session bound elsewhere (a
+    replica not counted yet). The request went to the pick, whose cache now holds its whole prompt:
+    the binding follows it, and decisions wait for their claims again for a while."""
+
+    async def scenario() -> None:
+        cfg = config(redis_url)
+        client = redis_client(cfg)
+        assert client is not None
+        sc = core(cfg, client)
+        preload = sc.sessions.set_replicas(1)
+        assert preload is not None
+        await preload
+        await client.set(f"{cfg.redis.prefix}:s:h:intruder", "b1")  # written after the preload
+        sc.registry.inflight.update({"b0": 0, "b1": 9, "b2": 9})
+        routed = await sc.service.route(features(4, session="intruder"))
+        assert routed.candidates[0].id == "b0"
+        await _until(lambda: sc.sessions.sizes()["redis_writes_in_flight"] == 0)
+        assert await client.get(f"{cfg.redis.prefix}:s:h:intruder") == b"b0"
+        assert sc.sessions.cached("h:intruder") == ("b0", True)
+        assert not sc.sessions.answers_first
+        await client.aclose()
+
+    run(scenario())
+
+
 def test_commands_queued_behind_a_pipeline_that_times_out_fail_with_it() -> None:
     """A Redis that hangs, every pipeline out: the commands queued behind them fail when the first
     one does (they would wait on the same server), not after a timeout of their own."""
@@ -541,5 +652,24 @@ def test_commands_queued_behind_a_pipeline_that_times_out_fail_with_it() -> None
                 await fut
         await client.aclose()
         server.close()
+
+    run(scenario())
+
+
+def test_a_replica_that_finds_others_waits_a_beat_before_it_serves(redis_url: str) -> None:
+    """Replicas running already count a newcomer at their next beat; until then they answer before
+    their claims. The newcomer serves only after that beat, so no two answer a session differently."""
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        loop = asyncio.get_running_loop()
+        prefix = f"kvgate-{os.urandom(4).hex()}"
+        t0 = loop.time()
+        await join(client, prefix, "first")
+        assert loop.time() - t0 < BEAT_S  # alone: serves at once
+        t0 = loop.time()
+        await join(client, prefix, "second")
+        assert loop.time() - t0 >= BEAT_S
+        await client.aclose()
 
     run(scenario())

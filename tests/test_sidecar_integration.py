@@ -68,8 +68,9 @@ def test_redis_down_routes_from_memory_and_recovers(stack: Supervisor, redis_por
     during = [c.decide_body(chat(1, 2)), c.decide_body(chat(2, 1)), c.decide_body(chat(2, 2))]
     assert during[0].candidates[0] == before.candidates[0], "the local map keeps the session"
     assert during[2].candidates[0] == during[1].candidates[0]
-    _, health = http_json("GET", sc.http + "/healthz")
-    assert health["redis"] == "down"
+    # Alone on its Redis, the sidecar answers before its claims return, so it learns that Redis is
+    # gone when the first of them fails, just after the decision that made it.
+    wait_until(lambda: http_json("GET", sc.http + "/healthz")[1]["redis"] == "down", timeout=2)
     metrics = http_json("GET", sc.http + "/metrics")[1]
     assert "kvgate_redis_fallbacks_total" in metrics and "kvgate_redis_errors_total" in metrics
     stack.start_redis(redis_port)
@@ -81,6 +82,8 @@ def test_redis_down_routes_from_memory_and_recovers(stack: Supervisor, redis_por
     assert r.get(f"kvgate:s:{key}").decode() == during[1].candidates[0].id
     fresh = extract(chat(6, 1)).key
     d = c.decide_body(chat(6, 1))
+    # The claim lands just after the decision (a lone sidecar does not wait for it).
+    wait_until(lambda: r.get(f"kvgate:s:{fresh}") is not None, timeout=2)
     assert r.get(f"kvgate:s:{fresh}").decode() == d.candidates[0].id
     r.close()
     c.close()

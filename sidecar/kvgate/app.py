@@ -30,7 +30,7 @@ from kvgate.looplag import lag_loop
 from kvgate.membership import AddressPolicy, Membership
 from kvgate.metrics import SidecarMetrics
 from kvgate.registry import Registry
-from kvgate.replicas import replicas_loop
+from kvgate.replicas import join, replica_id, replicas_loop
 from kvgate.scraper import ScrapeError, scrape, served_models
 from kvgate.service import DecisionService
 from kvgate.sidecar import build_sidecar
@@ -184,8 +184,12 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
         if service.queue is not None:
             tasks.append(asyncio.create_task(service.dispatch_loop(), name="gateway-queue"))
         if client is not None:
+            me = replica_id()
+            await join(client, config.redis.prefix, me)
             tasks.append(
-                asyncio.create_task(replicas_loop(client, config.redis.prefix, registry), name="replicas")
+                asyncio.create_task(
+                    replicas_loop(client, config.redis.prefix, me, registry, sessions), name="replicas"
+                )
             )
         if core.service.limiter is not None:
             tasks.append(

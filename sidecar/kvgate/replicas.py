@@ -18,10 +18,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kvgate.registry import Registry
+from kvgate.sessions import SessionStore
 
 logger = logging.getLogger(__name__)
 BEAT_S = 1.0
 STALE_S = 5.0
+JOIN_BEATS = 1.5  # a newcomer's wait before serving: one beat of the others, and their lateness
 
 
 def replica_id() -> str:
@@ -38,11 +40,29 @@ async def count_once(client: aioredis.Redis, key: str, me: str, now: float) -> i
     return max(1, int(results[2]))
 
 
-async def replicas_loop(client: aioredis.Redis, prefix: str, registry: Registry) -> None:
-    key, me = f"{prefix}:replicas", replica_id()
+async def join(client: aioredis.Redis, prefix: str, me: str) -> None:
+    """Count this replica in before it serves. Others running already count it at their next beat;
+    until then one alone would answer decisions before their claims (``SessionStore.answers_first``)
+    and could bind a session this one binds elsewhere, so a replica that finds others waits a beat."""
+    try:
+        n = await count_once(client, f"{prefix}:replicas", me, time.time())
+    except (RedisError, OSError) as exc:
+        logger.debug("replica heartbeat failed: %s", exc)
+        return
+    if n > 1:
+        await asyncio.sleep(BEAT_S * JOIN_BEATS)
+
+
+async def replicas_loop(
+    client: aioredis.Redis, prefix: str, me: str, registry: Registry, sessions: SessionStore
+) -> None:
+    key = f"{prefix}:replicas"
     while True:
         try:
-            registry.set_replicas(await count_once(client, key, me, time.time()))
+            n = await count_once(client, key, me, time.time())
         except (RedisError, OSError) as exc:
             logger.debug("replica heartbeat failed: %s", exc)
+        else:
+            registry.set_replicas(n)
+            sessions.set_replicas(n)
         await asyncio.sleep(BEAT_S)

@@ -471,6 +471,9 @@ class DecisionService:
         # A key new to this sidecar, or one kept from an older local entry: claim it for our pick;
         # Redis answers with the binding in force. A Redis too slow to answer within the decision's
         # wait leaves the decision as made: its claim lands later, and the next turn follows it.
+        if self.sessions.answers_first:  # alone: no one else binds, the answer is ours
+            self.sessions.claim_behind(key, d.candidates[0]).add_done_callback(self._count_claim)
+            return d
         claimed = await self.sessions.within(self.sessions.claim(key, d.candidates[0]))
         if claimed is None:
             self.metrics.affinity.labels("unconfirmed").inc()
@@ -492,6 +495,13 @@ class DecisionService:
         self.metrics.affinity.labels("rebind").inc()
         await self.sessions.within(self.sessions.rebind(key, again.candidates[0]))
         return again
+
+    def _count_claim(self, task: asyncio.Task[tuple[str, bool]]) -> None:
+        """The affinity of a decision that went before its claim, counted when the claim lands."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        _, existed = task.result()
+        self.metrics.affinity.labels("hit" if existed else "miss").inc()
 
     def report(self, outcomes: Iterable[Outcome]) -> None:
         now = time.monotonic()

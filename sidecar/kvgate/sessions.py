@@ -32,6 +32,16 @@ A decision waits for its Redis round trip at most ``decision_wait_s`` (``within`
 is queued behind busy cores rather than down, and the decision is answered with what it assumed
 while the claim goes on; its answer still lands in the local map (and the binding in Redis), so the
 session's next turn follows it.
+
+A replica alone on its Redis does not wait for claims at all (``answers_first``), once it has read
+the bindings Redis holds into its local map (``preload``: a previous life of this sidecar, or a
+replica that left, made them). Alone, no one else binds, so a claim's answer is known before it comes
+back; waiting for it only held a burst's decisions until the burst's last claim returned (the
+pipeline goes when every decision of the loop's turn has planned), so each one was answered at the
+end of the burst instead of in turn. Measured with bursts of 128 decisions against two busy-looping
+processes: over 50 ms 4.6-11.6 % of decisions waiting, 0.6-1.0 % answering first. A claim that finds
+another binding anyway (a replica not counted yet) makes the binding follow where the request went
+(its whole prompt is cached there now) and puts decisions back to waiting for ``REWAIT_S``.
 """
 
 from __future__ import annotations
@@ -54,6 +64,8 @@ T = TypeVar("T")
 PIPELINES = 4  # Redis pipelines in flight at once, on connections opened at startup
 LOCAL_FRESH_S = 2.0  # how long a binding read from Redis is trusted without asking again
 TTL_REFRESH_EVERY_S = 1.0
+REWAIT_S = 30.0  # after a claim found a binding a lone replica did not know: wait for claims again
+PRELOAD_SCAN = 1000  # keys per SCAN step of the preload (one MGET each)
 
 
 class Cached(NamedTuple):
@@ -168,6 +180,10 @@ class SessionStore:
         self._set_get = True  # Redis >= 7 accepts SET NX GET; older servers get two commands
         self._batch = Batch(client) if client is not None else None
         self._writes: set[asyncio.Task[Any]] = set()
+        self._alone = False  # counted alone by the replicas' heartbeat (unknown counts as shared)
+        self._preloaded = False  # the bindings Redis held when this replica was last found alone
+        self._preload: asyncio.Task[None] | None = None
+        self._wait_until = 0.0
 
     def _key(self, key: str) -> str:
         return f"{self.config.prefix}:s:{key}"
@@ -181,6 +197,87 @@ class SessionStore:
             "ttl_refreshes_due": len(self._touched),
             "redis_writes_in_flight": len(self._writes),
         }
+
+    @property
+    def answers_first(self) -> bool:
+        """May a decision go before its claim's answer (``claim_behind``)? Only when no other
+        replica binds: alone, with what Redis held read in, and Redis up (else claims are local)."""
+        return self._alone and self._preloaded and self.redis_ok and time.monotonic() >= self._wait_until
+
+    def set_replicas(self, n: int) -> asyncio.Task[None] | None:
+        """The gateway replicas counted on this Redis (``kvgate.replicas``). Found alone, this one
+        reads the bindings in Redis before it answers first (the preload started, returned); found
+        shared, it waits for claims."""
+        alone = n == 1
+        started = None
+        if alone and not self._alone and self.client is not None:
+            self._preloaded = False
+            started = self._preload = asyncio.create_task(self.preload(), name="session-preload")
+        if not alone:
+            self._preloaded = False
+            if self._preload is not None:
+                self._preload.cancel()
+                self._preload = None
+        self._alone = alone
+        return started
+
+    async def preload(self) -> None:
+        """Read every binding in Redis into the local map, unconfirmed (a decision assumes it and its
+        claim confirms it), without replacing what this sidecar knows. More bindings than the map
+        holds leave the replica waiting for claims: the ones left out would be decided blind."""
+        assert self.client is not None
+        pattern, strip = f"{self.config.prefix}:s:*", len(self._key(""))
+        seen = 0
+        try:
+            cursor: int = 0
+            while True:
+                cursor, keys = await self.client.scan(cursor, match=pattern, count=PRELOAD_SCAN)
+                if keys:
+                    nodes = await self.client.mget(keys)
+                    seen += len(keys)
+                    if seen > self.local.capacity:
+                        logger.warning(
+                            "redis holds more session bindings than the local map keeps (%d); "
+                            "decisions keep waiting for their claims",
+                            self.local.capacity,
+                        )
+                        return
+                    for rkey, node in zip(keys, nodes, strict=True):
+                        key = (rkey.decode() if isinstance(rkey, bytes) else str(rkey))[strip:]
+                        if node is not None and self.local.get(key) is None:
+                            self.local.set(key, node.decode() if isinstance(node, bytes) else str(node), 0.0)
+                if cursor == 0:
+                    break
+        except (RedisError, OSError) as exc:
+            self._failed(exc, "preload")  # decisions keep waiting; the next count to 1 retries
+            self._alone = False
+            return
+        self._preloaded = True
+        logger.info("alone on redis: %d session binding(s) read; decisions no longer wait for claims", seen)
+
+    def claim_behind(self, key: str, node: str) -> asyncio.Task[tuple[str, bool]]:
+        """``claim`` without holding the caller (``answers_first``): its answer lands in the local
+        map and Redis when it comes. One that names another backend is a binding this lone replica
+        did not know; the request went to ``node`` already, so the binding follows it there. The
+        local map has it at once: the session's next turn may come before Redis answers."""
+        self.local.set(key, node, time.monotonic())
+        task = asyncio.create_task(self._claim_behind(key, node))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        return task
+
+    async def _claim_behind(self, key: str, node: str) -> tuple[str, bool]:
+        claimed = await self._claim_in_redis(key, node) if self.redis_ok else None
+        if claimed is None:  # Redis failed: the binding is written back when it answers again
+            self.metrics.redis_fallbacks.inc()
+            self._mark_dirty(key, node)
+            return node, False
+        bound, existed = claimed
+        if bound != node:
+            self._wait_until = time.monotonic() + REWAIT_S
+            logger.info("%s was bound to %s, unknown to this replica; waiting for claims again", key, bound)
+            await self.rebind(key, node)
+        return bound, existed
 
     @property
     def redis_ok(self) -> bool:
@@ -230,22 +327,10 @@ class SessionStore:
     async def claim(self, key: str, node: str) -> tuple[str, bool]:
         """Bind ``key`` to ``node`` unless it is bound already; returns the binding in force and
         whether it existed before this call."""
-        now = time.monotonic()
         if self.redis_ok:
-            assert self.client is not None
-            try:
-                await self._flush_dirty()
-                prior = await self._set_nx_get(self._key(key), node)
-            except (RedisError, OSError) as exc:
-                self._failed(exc, "claim")
-            else:
-                bound = (
-                    node if prior is None else (prior.decode() if isinstance(prior, bytes) else str(prior))
-                )
-                self.local.set(key, bound, now)
-                if prior is not None:
-                    self._touched.add(key)  # NX left the TTL alone: extend it with the batch
-                return bound, prior is not None
+            claimed = await self._claim_in_redis(key, node)
+            if claimed is not None:
+                return claimed
         self.metrics.redis_fallbacks.inc()
         entry = self.local.get(key)
         if entry is not None:
@@ -253,6 +338,22 @@ class SessionStore:
         self.local.set(key, node, 0.0)
         self._mark_dirty(key, node)
         return node, False
+
+    async def _claim_in_redis(self, key: str, node: str) -> tuple[str, bool] | None:
+        """``claim`` in Redis, its answer written into the local map; None when Redis failed."""
+        assert self.client is not None
+        now = time.monotonic()
+        try:
+            await self._flush_dirty()
+            prior = await self._set_nx_get(self._key(key), node)
+        except (RedisError, OSError) as exc:
+            self._failed(exc, "claim")
+            return None
+        bound = node if prior is None else (prior.decode() if isinstance(prior, bytes) else str(prior))
+        self.local.set(key, bound, now)
+        if prior is not None:
+            self._touched.add(key)  # NX left the TTL alone: extend it with the batch
+        return bound, prior is not None
 
     async def _set_nx_get(self, rkey: str, node: str) -> bytes | str | None:
         assert self.client is not None and self._batch is not None
