@@ -35,6 +35,17 @@ def pid_listening(port: int) -> int | None:
     return None
 
 
+def nice_of(pid: int | None) -> int:
+    assert pid is not None
+    return os.getpriority(os.PRIO_PROCESS, pid)
+
+
+def session_nice(pid: int | None) -> int | None:
+    """The nice value of the process's autogroup (one per session), on kernels that have them."""
+    autogroup = Path(f"/proc/{pid}/autogroup")
+    return int(autogroup.read_text().split()[-1]) if autogroup.exists() else None
+
+
 def test_up_serves_the_demo_restarts_what_dies_and_down_stops_everything(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     port, sim, redis, sidecar = free_port(), free_ports(2), free_port(), free_port()
@@ -59,6 +70,8 @@ def test_up_serves_the_demo_restarts_what_dies_and_down_stops_everything(tmp_pat
             "info",
             "--log-format",
             "json",
+            "--gateway-nice",
+            "3",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -76,6 +89,11 @@ def test_up_serves_the_demo_restarts_what_dies_and_down_stops_everything(tmp_pat
         )
         assert status == 200 and body["usage"]["completion_tokens"] <= 3
         assert len(http_json("GET", f"http://127.0.0.1:{sidecar}/v1/backends")[1]["backends"]) == 2
+        # The gateway runs at its own priority (3 here: a test may not be allowed below 0), Nginx's
+        # workers included; what else the stack runs stays at the caller's.
+        for pid in (pid_listening(sidecar), pid_listening(port)):
+            assert nice_of(pid) == 3 and session_nice(pid) in (3, None), pid
+        assert nice_of(pid_listening(sim)) == nice_of(os.getpid())
         # The log options reach the sidecar: JSON lines, INFO included.
         lines = [json.loads(x) for x in (run_dir / "kvgate-sidecar.log").read_text().splitlines() if x]
         assert any(x["level"] == "INFO" and x["msg"].startswith("ring rebuilt") for x in lines)
@@ -92,6 +110,7 @@ def test_up_serves_the_demo_restarts_what_dies_and_down_stops_everything(tmp_pat
                 assert http_json("POST", f"http://127.0.0.1:{port}/v1/chat/completions", chat)[0] == 200
             wait_until(lambda name=name: f"{name} restarted" in (tmp_path / "up.log").read_text(), timeout=15)
             assert pid_listening(port_of) not in (None, old)
+        assert nice_of(pid_listening(sidecar)) == 3  # a restarted sidecar too
         wait_until(
             lambda: http_json("GET", f"http://127.0.0.1:{sidecar}/healthz")[1]["redis"] == "ok", timeout=10
         )

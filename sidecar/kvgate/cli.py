@@ -127,6 +127,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--sidecar-port", type=int, default=None, help="the sidecar's loopback HTTP API (default 9100)"
     )
     u.add_argument("--time-scale", type=float, default=1.0)
+    u.add_argument(
+        "--gateway-nice",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run the sidecar and Nginx at nice N (e.g. -10; negative needs root or CAP_SYS_NICE): "
+        "ahead of other work on the host's cores, so decisions keep their 50 ms budget when "
+        "those cores are saturated",
+    )
     logs.add_arguments(u)  # handed to the sidecar it starts
     u.set_defaults(func=cmd_up)
     d = sub.add_parser("down", help="stop the stack `kvgate up` started")

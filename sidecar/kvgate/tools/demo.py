@@ -42,6 +42,7 @@ def _local_redis_port(url: str | None) -> int | None:
 
 
 DEFAULT_SIDECAR_PORT = 9100
+STACK = "kvgate"  # the replica name: its children are kvgate-sidecar and kvgate-nginx
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -60,6 +61,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         except (ProcessLookupError, ValueError):
             pid_file.unlink()
     sup = Supervisor(run_dir, sidecar_args=("--log-level", args.log_level, "--log-format", args.log_format))
+    if args.gateway_nice is not None:
+        sup.nice = {f"{STACK}-sidecar": args.gateway_nice, f"{STACK}-nginx": args.gateway_nice}
     # What the sidecar gets on top of its config (KVGATE_* overrides, see kvgate.config).
     env: dict[str, str] = {}
     try:
@@ -121,7 +124,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
         print("starting the kvgate sidecar and nginx")
         settings = NginxSettings.from_config(config, listen=f"127.0.0.1:{args.port}", run_dir=str(run_dir))
-        launch_replica(sup, "kvgate", config_path, settings, env, wait_peers=False)
+        launch_replica(sup, STACK, config_path, settings, env, wait_peers=False)
     except (OSError, RuntimeError, TimeoutError) as exc:
         print(f"kvgate: failed to start the stack: {exc}; logs in {run_dir}", file=sys.stderr)
         sup.stop_all()

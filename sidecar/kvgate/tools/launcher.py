@@ -222,6 +222,21 @@ RESTART_MAX_S = 30.0
 RESTART_RESET_S = 60.0  # a child up this long starts its backoff over
 
 
+def prioritise(pid: int, nice: int) -> None:
+    """Run the process group led by ``pid`` (a child started in a session of its own, with whatever
+    it forks later: Nginx's workers) at ``nice``. Where the kernel schedules by autogroup (one per
+    session), a process's nice value only weighs against its own session, so the session's
+    autogroup gets the value too. A value the user may not set (negative, without CAP_SYS_NICE) is
+    a warning: the stack runs as it would without it."""
+    try:
+        os.setpriority(os.PRIO_PGRP, pid, nice)
+        autogroup = Path(f"/proc/{pid}/autogroup")
+        if autogroup.exists():
+            autogroup.write_text(str(nice))
+    except OSError as exc:  # not permitted, or the child is gone already
+        print(f"kvgate: could not run pid {pid} at nice {nice} ({exc}); it runs as started", file=sys.stderr)
+
+
 @dataclass
 class _Child:
     argv: list[str]
@@ -238,6 +253,7 @@ class Supervisor:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     _children: dict[str, _Child] = field(default_factory=dict)
     sidecar_args: tuple[str, ...] = ()  # appended to every `kvgate sidecar` it starts (log options)
+    nice: dict[str, int] = field(default_factory=dict)  # children started at a nice value (prioritise)
 
     def __post_init__(self) -> None:
         self.run_dir = self.run_dir.resolve()
@@ -298,6 +314,8 @@ class Supervisor:
             start_new_session=True,
         )
         log.close()
+        if name in self.nice:
+            prioritise(proc.pid, self.nice[name])
         LOGS[proc.pid] = self.run_dir / f"{name}.log"
         self.procs[name] = proc
         return proc
