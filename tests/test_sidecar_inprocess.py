@@ -613,6 +613,7 @@ def test_a_binding_a_lone_replica_did_not_know_follows_the_request_and_claims_ar
         assert await client.get(f"{cfg.redis.prefix}:s:h:intruder") == b"b0"
         assert sc.sessions.cached("h:intruder") == ("b0", True)
         assert not sc.sessions.answers_first
+        assert sc.metrics.registry.get_sample_value("kvgate_affinity_total", {"outcome": "rebind"}) == 1
         await client.aclose()
 
     run(scenario())

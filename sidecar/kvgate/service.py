@@ -472,7 +472,8 @@ class DecisionService:
         # Redis answers with the binding in force. A Redis too slow to answer within the decision's
         # wait leaves the decision as made: its claim lands later, and the next turn follows it.
         if self.sessions.answers_first:  # alone: no one else binds, the answer is ours
-            self.sessions.claim_behind(key, d.candidates[0]).add_done_callback(self._count_claim)
+            pick = d.candidates[0]
+            self.sessions.claim_behind(key, pick).add_done_callback(lambda t: self._count_claim(t, pick))
             return d
         claimed = await self.sessions.within(self.sessions.claim(key, d.candidates[0]))
         if claimed is None:
@@ -496,12 +497,13 @@ class DecisionService:
         await self.sessions.within(self.sessions.rebind(key, again.candidates[0]))
         return again
 
-    def _count_claim(self, task: asyncio.Task[tuple[str, bool]]) -> None:
-        """The affinity of a decision that went before its claim, counted when the claim lands."""
+    def _count_claim(self, task: asyncio.Task[tuple[str, bool]], pick: str) -> None:
+        """The affinity of a decision that went before its claim, counted when the claim lands: a
+        binding found elsewhere was moved to the pick (``SessionStore.claim_behind``)."""
         if task.cancelled() or task.exception() is not None:
             return
-        _, existed = task.result()
-        self.metrics.affinity.labels("hit" if existed else "miss").inc()
+        bound, existed = task.result()
+        self.metrics.affinity.labels("miss" if not existed else "hit" if bound == pick else "rebind").inc()
 
     def report(self, outcomes: Iterable[Outcome]) -> None:
         now = time.monotonic()

@@ -252,7 +252,9 @@ class SessionStore:
                 if cursor == 0:
                     break
         except (RedisError, OSError) as exc:
-            self._failed(exc, "preload")  # decisions keep waiting; the next count to 1 retries
+            # Not taken for Redis being down (a SCAN step may outlast the decisions' tight timeout
+            # on a busy host): decisions keep waiting for claims, and the next beat retries.
+            logger.warning("reading the session bindings from redis failed (%s); retrying", exc)
             self._alone = False
             return
         self._preloaded = True
