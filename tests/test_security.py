@@ -37,6 +37,8 @@ def test_redis_with_a_password_and_a_sidecar_without_one(stack: Supervisor) -> N
     c = good.client()
     d = c.decide_body(chat(1, 1), {"X-Session-ID": "auth"})
     r = redis.Redis(port=port, password="s3cret", socket_timeout=2)
+    # A lone sidecar answers before its claim; the binding lands just after.
+    wait_until(lambda: r.get("kvgate:s:h:auth") is not None, timeout=2)
     assert r.get("kvgate:s:h:auth").decode() == d.candidates[0].id
     # Without the password the sidecar still routes (from memory) and says Redis is down.
     bad = start_sidecar(stack, "bad", port, sim, 2)
@@ -84,6 +86,7 @@ def test_redis_over_tls(stack: Supervisor, tmp_path: Path) -> None:
     with DecisionClient(sc.socket) as c:
         d = c.decide_body(chat(3, 1), {"X-Session-ID": "over-tls"})
     r = redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(cert), socket_timeout=2)
+    wait_until(lambda: r.get("kvgate:s:h:over-tls") is not None, timeout=2)  # the claim lands after
     assert r.get("kvgate:s:h:over-tls").decode() == d.candidates[0].id
     r.close()
 
