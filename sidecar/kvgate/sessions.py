@@ -69,6 +69,11 @@ REWAIT_S = 30.0  # after a claim found a binding a lone replica did not know: wa
 PRELOAD_SCAN = 1000  # keys per SCAN step of the preload (one MGET each)
 
 
+def _text(value: bytes | str) -> str:
+    """A Redis reply as text (the client returns bytes unless told to decode)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class Cached(NamedTuple):
     node: str
     fresh: bool  # usable without a Redis round trip
@@ -246,9 +251,9 @@ class SessionStore:
                         )
                         return
                     for rkey, node in zip(keys, nodes, strict=True):
-                        key = (rkey.decode() if isinstance(rkey, bytes) else str(rkey))[strip:]
+                        key = _text(rkey)[strip:]
                         if node is not None and self.local.get(key) is None:
-                            self.local.set(key, node.decode() if isinstance(node, bytes) else str(node), 0.0)
+                            self.local.set(key, _text(node), 0.0)
                 if cursor == 0:
                     break
         except (RedisError, OSError) as exc:
@@ -270,10 +275,7 @@ class SessionStore:
         did not know; the request went to ``node`` already, so the binding follows it there. The
         local map has it at once: the session's next turn may come before Redis answers."""
         self.local.set(key, node, time.monotonic())
-        task = asyncio.create_task(self._claim_behind(key, node))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
-        return task
+        return self._hold(asyncio.create_task(self._claim_behind(key, node)))
 
     async def _claim_behind(self, key: str, node: str) -> tuple[str, bool]:
         claimed = await self._claim_in_redis(key, node) if self.redis_ok else None
@@ -287,6 +289,13 @@ class SessionStore:
             logger.info("%s was bound to %s, unknown to this replica; waiting for claims again", key, bound)
             await self.rebind(key, node)
         return bound, existed
+
+    def _hold(self, task: asyncio.Task[T]) -> asyncio.Task[T]:
+        """Keep a Redis write running until it ends, even if the decision that started it is
+        cancelled meanwhile (the loop holds tasks only weakly); counted in ``sizes``."""
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        return task
 
     @property
     def redis_ok(self) -> bool:
@@ -330,7 +339,7 @@ class SessionStore:
             except (RedisError, OSError) as exc:
                 self._failed(exc, "peek")
             else:
-                return None if found is None else (found.decode() if isinstance(found, bytes) else str(found))
+                return None if found is None else _text(found)
         return None if entry is None else entry[0]
 
     async def claim(self, key: str, node: str) -> tuple[str, bool]:
@@ -358,7 +367,7 @@ class SessionStore:
         except (RedisError, OSError) as exc:
             self._failed(exc, "claim")
             return None
-        bound = node if prior is None else (prior.decode() if isinstance(prior, bytes) else str(prior))
+        bound = node if prior is None else _text(prior)
         self.local.set(key, bound, now)
         if prior is not None:
             self._touched.add(key)  # NX left the TTL alone: extend it with the batch
@@ -406,9 +415,7 @@ class SessionStore:
         if not self.redis_ok:
             self._mark_dirty(key, node)
             return
-        task = asyncio.create_task(self._write(key, node))
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        self._hold(asyncio.create_task(self._write(key, node)))
 
     async def _write(self, key: str, node: str) -> None:
         assert self._batch is not None
@@ -472,9 +479,7 @@ class SessionStore:
         write what Redis answers into the local map themselves, late or not."""
         if not self.redis_ok:
             return await work  # no round trip to wait for: answered from local memory
-        task = asyncio.ensure_future(work)
-        self._writes.add(task)  # held until it ends, even if the decision is cancelled meanwhile
-        task.add_done_callback(self._writes.discard)
+        task = self._hold(asyncio.ensure_future(work))
         done, _ = await asyncio.wait({task}, timeout=self.config.decision_wait_s)
         if task in done:
             return task.result()
