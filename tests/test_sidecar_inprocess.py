@@ -255,6 +255,8 @@ def test_inflight_counts_rise_with_decisions_and_end_with_reports() -> None:
         )
         assert all(v == 0 for v in sc.registry.inflight.values())  # a second report changes nothing
 
+    run(scenario())
+
 
 def test_a_drop_ends_a_decision_even_when_it_overtakes_the_decision() -> None:
     async def scenario() -> None:
@@ -266,8 +268,6 @@ def test_a_drop_ends_a_decision_even_when_it_overtakes_the_decision() -> None:
         late = await sc.service.route(features(2), "gw.2")
         assert late.candidates and sc.registry.inflight_total() == 0
         assert sum(sc.registry.inflight.values()) == 0 and counted.decision_id == "gw.1"
-
-    run(scenario())
 
     run(scenario())
 
@@ -384,6 +384,8 @@ def test_admin_routes_need_the_bearer_token(redis_url: str) -> None:
             assert recent == {"decisions": []}
             assert (await client.get("/debug/memory")).status == 401
 
+    run(scenario())
+
 
 def test_debug_memory_names_every_bounded_structure_beside_its_bound(redis_url: str) -> None:
     async def scenario() -> None:
@@ -397,8 +399,6 @@ def test_debug_memory_names_every_bounded_structure_beside_its_bound(redis_url: 
             assert s["local_sessions"] == s["decisions_in_flight"] == s["queue_waiting"] == 0
             # ?objects=1 (a collection and a heap walk) is tested against a sidecar process of its
             # own (test_sidecar_integration): here it would walk the whole test session's heap.
-
-    run(scenario())
 
     run(scenario())
 

@@ -170,3 +170,21 @@ def test_an_installed_wheel_renders_nginx_that_nginx_accepts(tmp_path: Path) -> 
 def test_runtime_modules_never_name_the_checkout(name: str) -> None:
     source = modules()[name].read_text()
     assert "parents[" not in source and "shared/" not in source
+
+
+def test_every_test_runs_the_scenario_it_defines() -> None:
+    """A test that defines ``async def scenario()`` and never runs it passes without testing
+    anything (two such tests once sat here unnoticed)."""
+    idle = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for fn in ast.parse(path.read_text()).body:
+            if not isinstance(fn, ast.FunctionDef) or not fn.name.startswith("test_"):
+                continue
+            defined = {n.name for n in fn.body if isinstance(n, ast.AsyncFunctionDef)}
+            called = {
+                n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+            }
+            referenced = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+            # A coroutine function handed to a server or client as a callback is referenced, not called.
+            idle += [f"{path.name}::{fn.name}" for name in defined if name not in called | referenced]
+    assert idle == []
