@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from kvgate.config import Config
 from kvgate.nginx_conf import NginxSettings
 from kvgate.tools.launcher import (
     Replica,
@@ -171,11 +172,10 @@ class Stack:
             "backends": [{"id": f"sim-{i}", "url": f"http://127.0.0.1:{sim + i}"} for i in range(backends)],
         }
         port = free_port()
-        settings = NginxSettings(
-            listen=f"127.0.0.1:{port}",
-            socket=sock,
-            run_dir=str(sup.run_dir),
-            first_byte_timeout_ms=2000,
+        # One config for both halves, with the shipped timeouts: a hung backend costs what it costs
+        # a user of the defaults (the learned first-byte budget, its floor, then the next candidate).
+        settings = NginxSettings.from_config(
+            Config.from_mapping(cfg, {}), listen=f"127.0.0.1:{port}", run_dir=str(sup.run_dir)
         )
         # tracemalloc in the sidecar (slower): GET /debug/memory then names the allocation sites.
         env = {"PYTHONTRACEMALLOC": "1"} if trace_memory else None
@@ -303,6 +303,17 @@ def _all_down(stack: Stack) -> None:
         stack.fault(i, fail_rate=1.0, fail_status=503)
 
 
+def _slow_metrics(stack: Stack) -> None:
+    for i in range(stack.backends):
+        stack.fault(i, metrics="slow", metrics_delay_ms=1000)
+
+
+def _slow_probes(stack: Stack) -> None:
+    """vLLM under heavy load: /metrics and /health both answer late on every replica."""
+    for i in range(stack.backends):
+        stack.fault(i, metrics="slow", metrics_delay_ms=1000, health_delay_ms=1000)
+
+
 def _restart_redis(stack: Stack) -> None:
     stack.sup.start_redis(stack.redis_port, "redis", "--enable-debug-command", "local")
 
@@ -320,7 +331,9 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "backend refuses connections", lambda st: st.fault(0, refuse_for_s=3.0), _noop, self_healing=True
         ),
-        Scenario("backend hangs", lambda st: st.fault(0, latency_ms=60_000), lambda st: st.heal()),
+        Scenario(
+            "backend hangs under load", lambda st: st.fault(0, latency_ms=120_000), lambda st: st.heal()
+        ),
         Scenario(
             "backend answers 503",
             lambda st: st.fault(0, fail_rate=1.0, fail_status=503),
@@ -328,6 +341,8 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario("backend cuts streams", lambda st: st.fault(0, abort_after_tokens=3), lambda st: st.heal()),
         Scenario("garbage metrics", lambda st: st.fault(0, metrics="garbage"), lambda st: st.heal()),
+        Scenario("metrics slow everywhere", _slow_metrics, lambda st: st.heal()),
+        Scenario("metrics and health slow everywhere", _slow_probes, lambda st: st.heal()),
         Scenario("backend 10x slow", lambda st: st.fault(0, latency_ms=300), lambda st: st.heal()),
         Scenario(
             "sidecar SIGKILL",

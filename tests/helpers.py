@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -126,7 +125,8 @@ class Gateway:
         extra: dict[str, Any] | None = None,
         **routing: Any,
     ) -> None:
-        """``extra``: more config sections (auth, limits, ...) for the sidecar and Nginx."""
+        """``extra``: more config sections (auth, limits, ...). One config drives both halves: the
+        sidecar reads it, and Nginx's settings are rendered from it (``NginxSettings.from_config``)."""
         self.stack = stack
         self.name = name
         run_dir = stack.run_dir / name
@@ -134,29 +134,22 @@ class Gateway:
         socket = stack.run_dir / f"{name}.sock"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.settings = NginxSettings(
+        gateway = {
+            "client_max_body_size": client_max_body_size,
+            "route_headers": route_headers,
+            "first_byte_timeout_ms": first_byte_timeout_ms,
+            "decision_timeout_ms": decision_timeout_ms,
+        }
+        cfg = {**sidecar_config(socket, free_port(), redis_port, sim_port, n, **routing), **(extra or {})}
+        cfg["gateway"] = {**gateway, **cfg.get("gateway", {})}
+        self.settings = NginxSettings.from_config(
+            Config.from_mapping(cfg, {}),
             listen=f"127.0.0.1:{self.port}",
-            socket=str(socket),
             run_dir=str(run_dir),
             workers=2,
-            client_max_body_size=client_max_body_size,
             client_body_buffer_size="1m",
-            route_headers=route_headers,
-            first_byte_timeout_ms=first_byte_timeout_ms,
-            retry_deadline="3s",
             upstream_keepalive_timeout=upstream_keepalive_timeout,
-            decision_timeout_ms=decision_timeout_ms,
         )
-        cfg = {**sidecar_config(socket, free_port(), redis_port, sim_port, n, **routing), **(extra or {})}
-        if extra:
-            parsed = Config.from_mapping(cfg, {})
-            self.settings = dataclasses.replace(
-                self.settings,
-                auth=parsed.auth.enabled,
-                limits=parsed.limited,
-                queue=parsed.queue.enabled,
-                queue_heartbeat_ms=round(parsed.queue.heartbeat_s * 1000),
-            )
         self.replica = launch_replica(stack, name, cfg, self.settings)
         self.sidecar = Sidecar(self.replica)
         self.error_log = run_dir / "nginx-error.log"

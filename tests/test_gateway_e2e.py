@@ -301,8 +301,9 @@ def test_no_healthy_backend_gives_503_json(fresh: Env) -> None:
 
 
 def test_kvgate_health_never_calls_a_fleet_with_an_excluded_backend_healthy(fresh: Env) -> None:
-    """A backend whose metrics cannot be scraped is excluded, and the gateway's health says so until
-    it is back; a sidecar that stops answering makes the gateway degraded too (it routes alone)."""
+    """A backend whose health check fails is excluded, and the gateway's health says so until it is
+    back (metrics that cannot be read only make its load unknown: it stays in); a sidecar that stops
+    answering makes the gateway degraded too (it routes alone)."""
 
     def health() -> dict[str, Any]:
         return http_json("GET", fresh.gw.url + "/kvgate/health")[1]
@@ -310,11 +311,14 @@ def test_kvgate_health_never_calls_a_fleet_with_an_excluded_backend_healthy(fres
     wait_until(lambda: health()["status"] == "ok", timeout=5)
     assert (health()["eligible_backends"], health()["known_backends"]) == (3, 3)
     fresh.fault("sim-1", metrics="garbage")
+    wait_until(lambda: "metrics" in str(fresh.gw.sidecar.backends()["sim-1"]["last_error"]), timeout=5)
+    assert fresh.gw.sidecar.backends()["sim-1"]["state"] == "healthy" and health()["status"] == "ok"
+    fresh.fault("sim-1", metrics="ok", unhealthy=True)
     wait_until(lambda: health()["status"] == "degraded", timeout=5)
     h = health()
     assert (h["eligible_backends"], h["known_backends"], h["sidecar"]) == (2, 3, "ok")
     assert fresh.gw.sidecar.backends()["sim-1"]["state"] != "healthy"
-    fresh.fault("sim-1", metrics="ok")
+    fresh.fault("sim-1", unhealthy=False)
     wait_until(lambda: health()["status"] == "ok", timeout=5)
     fresh.stack.kill(fresh.gw.sidecar.name)
     wait_until(lambda: health()["sidecar"] == "unreachable", timeout=6)

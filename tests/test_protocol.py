@@ -72,6 +72,7 @@ def reply(d: dict[str, Any]) -> object:
             d["route"],
             d["priority"],
             tuple(Candidate(*c) for c in d["prefill"]),
+            tuple(d["first_byte_ms"]),
         )
     if kind == "queued":
         return QueuedReply(d["decision_id"])

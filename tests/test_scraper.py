@@ -1,3 +1,5 @@
+from typing import Any
+
 import pytest
 from kvgate.load import Scraped, view
 from kvgate.scraper import ScrapeError, parse_metrics
@@ -203,7 +205,7 @@ def test_health_falls_back_to_models_only_where_there_is_no_health_route() -> No
 
     import aiohttp
     from aiohttp import web
-    from kvgate.scraper import scrape
+    from kvgate.scraper import LoadUnknown, Unhealthy, scrape
 
     state = {"health": 404, "metrics": 404}
 
@@ -230,12 +232,76 @@ def test_health_falls_back_to_models_only_where_there_is_no_health_route() -> No
             async with aiohttp.ClientSession() as session:
                 assert (await scrape(session, url, 1.0, "auto")).metrics_less
                 state["health"] = 503
-                with pytest.raises(ScrapeError, match="/health answered 503"):
+                with pytest.raises(Unhealthy, match="/health answered 503"):
                     await scrape(session, url, 1.0, "auto")
                 state["health"], state["metrics"] = 200, 200
-                with pytest.raises(ScrapeError, match="no request gauges"):
+                with pytest.raises(LoadUnknown, match="no request gauges"):
                     await scrape(session, url, 1.0, "auto")
             await asyncio.sleep(0.05)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_a_slow_or_broken_metrics_route_is_unknown_load_and_a_slow_health_a_timeout() -> None:
+    """What a scrape tells apart: metrics that time out or make no sense leave a healthy backend
+    with unknown load (LoadUnknown); a /health that does not answer in time is Unhealthy with
+    ``timeout`` (a busy or hung server: the registry weighs it); refused or 503 is Unhealthy, no
+    timeout."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+    from kvgate.scraper import LoadUnknown, Unhealthy, scrape
+
+    from vllm_sim.engine import Engine, EngineConfig
+    from vllm_sim.metrics import InstanceMetrics
+    from vllm_sim.profiles import LLAMA3_8B_H100
+
+    good = InstanceMetrics(Engine(EngineConfig.from_profile(LLAMA3_8B_H100)), "m", lambda: (0, 0, 0)).render()
+    state: dict[str, Any] = {"health_delay": 0.0, "health": 200, "metrics_delay": 0.0, "metrics": good}
+
+    async def health(request: web.Request) -> web.Response:
+        await asyncio.sleep(state["health_delay"])
+        return web.Response(status=state["health"])
+
+    async def metrics(request: web.Request) -> web.Response:
+        await asyncio.sleep(state["metrics_delay"])
+        return web.Response(body=state["metrics"], content_type="text/plain")
+
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                assert (await scrape(session, url, 0.2)).running == 0
+                state["metrics_delay"] = 0.5
+                with pytest.raises(LoadUnknown, match="no answer within 200 ms"):
+                    await scrape(session, url, 0.2)
+                state["metrics_delay"], state["metrics"] = 0.0, b"vllm:num_requests_running{ 7\n"
+                with pytest.raises(LoadUnknown, match="unterminated labels"):
+                    await scrape(session, url, 0.2)
+                state["health_delay"] = 0.5
+                with pytest.raises(Unhealthy) as slow:
+                    await scrape(session, url, 0.2)
+                assert slow.value.timeout
+                state["health_delay"], state["health"] = 0.0, 503
+                with pytest.raises(Unhealthy) as down:
+                    await scrape(session, url, 0.2)
+                assert not down.value.timeout
+            await runner.cleanup()
+            async with aiohttp.ClientSession() as session:
+                with pytest.raises(Unhealthy) as refused:
+                    await scrape(session, url, 0.2)
+                assert not refused.value.timeout
         finally:
             await runner.cleanup()
 

@@ -258,6 +258,35 @@ def test_inflight_counts_rise_with_decisions_and_end_with_reports() -> None:
     run(scenario())
 
 
+def test_each_candidate_gets_a_first_byte_budget_learned_from_its_answers() -> None:
+    """A backend that has answered quickly gets the floor; one that never answered, or is saturated,
+    the ceiling; a first byte from a fallback (the primary failed) teaches nothing about either."""
+
+    async def scenario() -> None:
+        sc = core(config(None, backends=2, policy="round_robin"), None)
+        ceiling, floor = 60_000, 5_000
+        first = await sc.service.route(features(0), "d0")
+        assert first.first_byte_ms == (ceiling, ceiling)  # nothing learned yet
+        sc.service.report([Outcome.first("d0", "other-backend")])  # answered by a fallback
+        assert sc.service.first_byte.describe(first.candidates[0].id) is None
+        for i in range(1, 20):
+            r = await sc.service.route(features(i), f"d{i}")
+            sc.service.report([Outcome.first(f"d{i}", r.candidates[0].id)])
+            sc.service.report([Outcome.end(f"d{i}", r.candidates[0].id, 200, True, 0.01, 0.02)])
+        sc.service.report([Outcome.end("d0", first.candidates[0].id, 200, True, 0.01, 0.02)])
+        learned = await sc.service.route(features(50), "d50")
+        assert learned.first_byte_ms == (floor, floor)
+        busy = learned.candidates[0].id
+        sc.registry.scrape_ok(busy, Scraped(4, 20, 0.5, None, None, asyncio.get_running_loop().time()))
+        sc.registry.changed()
+        again = await sc.service.route(features(51), "d51")
+        budgets = dict(zip((c.id for c in again.candidates), again.first_byte_ms, strict=True))
+        assert budgets[busy] == ceiling and min(budgets.values()) == floor
+        sc.service.report([Outcome.end(d, "", 499, False) for d in ("d50", "d51")])
+
+    run(scenario())
+
+
 def test_a_drop_ends_a_decision_even_when_it_overtakes_the_decision() -> None:
     async def scenario() -> None:
         sc = core(config(None), None)
@@ -288,6 +317,51 @@ def test_health_turns_on_consecutive_failures_and_back_on_successes() -> None:
         assert not reg.backends["b1"].healthy
         reg.scrape_ok("b1", Scraped(0, 0, 0.1, None, None, now))
         assert reg.backends["b1"].healthy and reg.peers()[0] > v1
+
+    run(scenario())
+
+
+def test_metrics_that_fail_leave_a_backend_healthy_with_its_load_unknown() -> None:
+    """A failed /metrics (slow, garbage) is a missing signal: the backend stays in, its load goes
+    stale and so unknown, never zero."""
+
+    async def scenario() -> None:
+        sc = core(config(None), None)
+        reg = sc.registry
+        for _ in range(5):
+            reg.load_unknown("b1", "/metrics: no answer within 80 ms")
+        assert reg.backends["b1"].eligible and reg.backends["b1"].last_error is not None
+        later = asyncio.get_running_loop().time() + 60.0
+        assert not reg.snapshot(MODEL, later).nodes["b1"].load.known
+
+    run(scenario())
+
+
+def test_health_timeouts_take_out_neither_a_backend_that_served_nor_the_whole_fleet() -> None:
+    """A health check that times out is no proof of death: a backend that delivered a response
+    within ALIVE_S stays in, and timeouts never take out more than outlier ejection may (half of
+    three: one). A refusal is proof: it takes a backend out whatever the rest of the fleet does."""
+
+    async def scenario() -> None:
+        sc = core(config(None), None)
+        reg = sc.registry
+        now = asyncio.get_running_loop().time()
+        reg.alive("b0", now)
+        for b in ("b0", "b1", "b2"):
+            for _ in range(5):
+                reg.failure(b, "/health: no answer within 80 ms", timeout=True, now=now + 1)
+        eligible = sorted(b for b, s in reg.backends.items() if s.eligible)
+        assert "b0" in eligible and len(eligible) == 2, eligible  # b0 served; one of b1, b2 out
+        assert sc.metrics.health_kept.labels("b0")._value.get() > 0
+        # Later, b0 silent for longer than ALIVE_S: its timeouts still cannot empty the fleet.
+        for b in ("b0", "b1", "b2"):
+            for _ in range(5):
+                reg.failure(b, "/health: no answer within 80 ms", timeout=True, now=now + 60)
+        assert len([s for s in reg.backends.values() if s.eligible]) == 2
+        for b in ("b0", "b1", "b2"):
+            for _ in range(2):
+                reg.failure(b, "ClientConnectorError: refused")
+        assert not any(s.eligible for s in reg.backends.values())
 
     run(scenario())
 

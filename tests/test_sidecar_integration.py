@@ -107,15 +107,20 @@ def test_unhealthy_backend_is_skipped_and_readmitted(stack: Supervisor, redis_po
     c.close()
 
 
-def test_garbage_metrics_make_a_backend_unhealthy(stack: Supervisor) -> None:
+def test_garbage_metrics_leave_a_backend_in_with_unknown_load_and_a_failed_health_takes_it_out(
+    stack: Supervisor,
+) -> None:
+    """Metrics that cannot be read are a missing signal (the error is shown, the load goes
+    unknown); /health answering 503 is a dead server."""
     sim = start_backends(stack, 2)
     sc = start_sidecar(stack, "a", None, sim, 2)
     http_json("POST", f"http://127.0.0.1:{sim}/sim/faults", {"metrics": "garbage"})
+    wait_until(lambda: "no request gauges" in str(sc.backends()["sim-0"]["last_error"]), timeout=5)
+    wait_until(lambda: not sc.backends()["sim-0"]["load"]["known"], timeout=5)
+    assert sc.backends()["sim-0"]["state"] == "healthy"
+    http_json("POST", f"http://127.0.0.1:{sim}/sim/faults", {"unhealthy": True})
     wait_until(lambda: sc.backends()["sim-0"]["state"] == "unhealthy", timeout=5)
-    assert (
-        "unparseable" in sc.backends()["sim-0"]["last_error"]
-        or "no request gauges" in sc.backends()["sim-0"]["last_error"]
-    )
+    assert "/health answered 503" in sc.backends()["sim-0"]["last_error"]
 
 
 def test_membership_changes_reach_every_sidecar(stack: Supervisor, redis_port: int) -> None:

@@ -24,6 +24,7 @@ class Faults:
     abort_after_tokens: int | None = None  # cut streams (the TCP connection) after K tokens
     metrics: str = "ok"  # ok | garbage | slow | empty | absent
     metrics_delay_ms: float = 2000.0  # how slow "slow" metrics are
+    health_delay_ms: float = 0.0  # /health answers this late (a busy API server's event loop)
     refuse_for_s: float = 0.0  # stop listening for this long (connections refused), then resume
 
     @classmethod
@@ -47,8 +48,9 @@ class Faults:
             raise ValueError(f"metrics must be one of {', '.join(METRICS_MODES)}")
         if out.abort_after_tokens is not None and int(out.abort_after_tokens) < 0:
             raise ValueError("abort_after_tokens must be >= 0 or null")
-        if float(out.latency_ms) < 0 or float(out.refuse_for_s) < 0 or float(out.metrics_delay_ms) < 0:
-            raise ValueError("latency_ms, metrics_delay_ms and refuse_for_s must be >= 0")
+        delays = (out.latency_ms, out.refuse_for_s, out.metrics_delay_ms, out.health_delay_ms)
+        if any(float(d) < 0 for d in delays):
+            raise ValueError("latency_ms, metrics_delay_ms, health_delay_ms and refuse_for_s must be >= 0")
         return out
 
     def to_dict(self) -> dict[str, Any]:

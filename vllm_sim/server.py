@@ -575,6 +575,8 @@ class Instance:
     async def health(self, request: web.Request) -> web.Response:
         if self.faults.hang:
             await asyncio.Event().wait()
+        if self.faults.health_delay_ms:
+            await asyncio.sleep(self.faults.health_delay_ms / 1000.0)
         return web.Response(status=503 if self.faults.unhealthy else 200)
 
     async def version(self, request: web.Request) -> web.Response:

@@ -141,19 +141,27 @@ local function client_priority(body)
     return nil
 end
 
--- How long one try may wait for the response's next byte (see conf.lua), in ms.
-local function read_timeout(body)
-    if body.stream == true then
-        return conf.first_byte_timeout_ms
-    end
+-- How long each try may wait for the response's next byte (see conf.lua), in seconds, one per
+-- candidate: the sidecar's first-byte budget for that backend (never above Nginx's own ceiling), else
+-- the ceiling; a JSON response comes whole, so it also waits for the tokens it asked for.
+local function read_timeouts(body, n, budgets)
+    local ceiling = conf.first_byte_timeout_ms
+    local stream = body.stream == true
     local tokens = body.max_completion_tokens
     if type(tokens) ~= "number" then
         tokens = body.max_tokens
     end
-    if type(tokens) ~= "number" then
-        return conf.max_read_timeout_ms
+    local out = {}
+    for i = 1, n do
+        local ms = budgets and math_min(budgets[i], ceiling) or ceiling
+        if not stream then
+            -- No token count: the longest wait.
+            ms = type(tokens) == "number" and math_min(conf.max_read_timeout_ms, ms + tokens * conf.token_timeout_ms)
+                 or conf.max_read_timeout_ms
+        end
+        out[i] = ms / 1000
     end
-    return math_min(conf.max_read_timeout_ms, conf.first_byte_timeout_ms + tokens * conf.token_timeout_ms)
+    return out
 end
 
 -- Why a decision call failed, as the fail-open counter names it.
@@ -283,9 +291,11 @@ function _M.run()
     if #added > 0 then
         ngx.req.set_body_data(jsontext.with_fields(raw, added))
     end
+    local budgets
     if decision and #decision.addrs > 0 then
         ctx.kv_id = id
         ctx.kv_ids, ctx.kv_addrs, ctx.kv_route = decision.ids, decision.addrs, route
+        budgets = decision.first_byte_ms
     else
         if not code and reply == nil then
             -- The sidecar may have made (and counted) the decision we did not wait for.
@@ -303,7 +313,7 @@ function _M.run()
     end
     ctx.kv_tries = 0
     ctx.kv_kind = kind
-    ctx.kv_read_s = read_timeout(body) / 1000
+    ctx.kv_read_s = read_timeouts(body, #ctx.kv_addrs, budgets)
     reports.stash(ctx)
 end
 

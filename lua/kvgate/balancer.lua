@@ -44,7 +44,7 @@ function _M.run()
         return ngx.exit(ngx.ERROR)
     end
     ok, err = balancer.set_timeouts(conf.connect_timeout_ms / 1000, conf.send_timeout_ms / 1000,
-                                    ctx.kv_read_s)
+                                    ctx.kv_read_s[i])
     if not ok then
         ngx_log(ngx_ERR, "kvgate: failed to set timeouts: ", err)
     end

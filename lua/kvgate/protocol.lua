@@ -110,9 +110,24 @@ local function pairs_of(c)
     return ids, addrs
 end
 
+-- Each candidate's first-byte timeout in ms, or nil when the reply has none (or a malformed one).
+local function budgets(fb, n)
+    if type(fb) ~= "table" or #fb ~= n then
+        return nil
+    end
+    for i = 1, n do
+        local ms = fb[i]
+        if type(ms) ~= "number" or ms <= 0 then
+            return nil
+        end
+    end
+    return fb
+end
+
 -- A decision: { id, ids = {backend ids}, addrs = {host:port}, route, priority (to write into the
--- body, or nil), prefill_ids, prefill_addrs (disaggregated, or nil) }, or nil, error message, error
--- code (the sidecar's, e.g. "unknown_model"; nil for a malformed reply), retry-after seconds.
+-- body, or nil), prefill_ids, prefill_addrs (disaggregated, or nil), first_byte_ms (one per
+-- candidate, or nil) }, or nil, error message, error code (the sidecar's, e.g. "unknown_model"; nil
+-- for a malformed reply), retry-after seconds.
 function _M.decision(reply)
     if reply.e then
         return nil, tostring(reply.msg), reply.e, reply.ra
@@ -124,7 +139,8 @@ function _M.decision(reply)
     if not ids then
         return nil, "malformed candidate"
     end
-    local out = { id = reply.i, ids = ids, addrs = addrs, route = reply.r }
+    local out = { id = reply.i, ids = ids, addrs = addrs, route = reply.r,
+                  first_byte_ms = budgets(reply.fb, #ids) }
     if type(reply.pr) == "number" then
         out.priority = reply.pr
     end

@@ -31,7 +31,7 @@ from kvgate.membership import AddressPolicy, Membership
 from kvgate.metrics import SidecarMetrics
 from kvgate.registry import Registry
 from kvgate.replicas import join, replica_id, replicas_loop
-from kvgate.scraper import ScrapeError, scrape, served_models
+from kvgate.scraper import LoadUnknown, Unhealthy, scrape, served_models
 from kvgate.service import DecisionService
 from kvgate.sidecar import build_sidecar
 from kvgate.tokens import TokenEstimator
@@ -85,16 +85,22 @@ async def _scrape_round(
         t0 = time.perf_counter()
         try:
             scraped = await scrape(session, url, sc.timeout_s, mode)
-            if want_models:
-                registry.set_models(bid, await served_models(session, url, sc.timeout_s))
-        except ScrapeError as exc:
-            registry.failure(bid, str(exc))
+        except Unhealthy as exc:
+            registry.failure(bid, str(exc), exc.timeout)
+            return
+        except LoadUnknown as exc:  # healthy, its load a missing signal
+            registry.load_unknown(bid, str(exc))
             return
         finally:
             metrics.scrape_latency.observe(time.perf_counter() - t0)
         registry.scrape_ok(bid, scraped)
         if tokens is not None:
             tokens.counted(bid, scraped.prompt_tokens, registry.replicas)
+        if want_models:
+            try:
+                registry.set_models(bid, await served_models(session, url, sc.timeout_s))
+            except LoadUnknown as exc:  # tried again next round; until then it serves what it served
+                registry.note_error(bid, str(exc))
 
     jobs = [
         one(bid, s.spec.url, s.spec.metrics, n % MODELS_EVERY == 0 or not s.models)

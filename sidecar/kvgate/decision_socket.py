@@ -104,6 +104,7 @@ class DecisionServer:
             routed.label,
             routed.priority if forward else None,
             routed.prefill,
+            routed.first_byte_ms,
         )
 
     async def _wait(self, queued: Queued, writer: asyncio.StreamWriter) -> Reply:

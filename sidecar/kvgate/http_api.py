@@ -128,12 +128,10 @@ class HttpApi:
         return web.json_response({"object": "list", "data": self.registry.model_cards()})
 
     async def backends(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "backends": self.registry.describe(time.monotonic()),
-                "peers_version": self.registry.peers_version,
-            }
-        )
+        described = self.registry.describe(time.monotonic())
+        for b in described:
+            b["first_byte"] = self.service.first_byte.describe(str(b["id"]))
+        return web.json_response({"backends": described, "peers_version": self.registry.peers_version})
 
     async def peers(self, request: web.Request) -> web.Response:
         version, peers = self.registry.peers()
@@ -174,6 +172,7 @@ class HttpApi:
                 "priority": routed.priority,
                 "disaggregated": bool(routed.prefill),
                 "prefill_candidates": [c._asdict() for c in routed.prefill],
+                "first_byte_timeout_ms": list(routed.first_byte_ms),
             }
         )
 

@@ -20,6 +20,11 @@ class Scraped:
     at: float  # monotonic time of the scrape
     prompt_tokens: float | None = None  # vllm:prompt_tokens_total: calibrates bytes per token
     metrics_less: bool = False  # metrics: auto found no /metrics route: load is the in-flight count
+    # vllm:num_requests_waiting_by_reason{reason="capacity"}: requests waiting because no KV block is
+    # free (None: not exposed). The cache is full for running requests: preemption territory.
+    waiting_for_kv: float | None = None
+    block_size: int | None = None  # vllm:cache_config_info: tokens per KV block (128 on CPU, 16 on GPUs)
+    kv_blocks: int | None = None  # its num_gpu_blocks: the cache holds kv_blocks x block_size tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +35,7 @@ class LoadView:
     kv_usage: float  # 0..1, 0.0 when unknown (``known`` tells)
     waiting: float
     known: bool
+    kv_short: bool = False  # requests wait there for free KV blocks (preemption is likely)
 
     def saturated(self, max_waiting: int, max_kv: float) -> bool:
         # Unknown load is not saturation: stale stats must not make every session move.
@@ -42,7 +48,8 @@ def view(scraped: Scraped | None, now: float, stale_after: float, unknown_reques
     if scraped is None or now - scraped.at > stale_after:
         return LoadView(unknown_requests, 0.0, 0.0, False)
     kv = scraped.kv_usage if scraped.kv_usage is not None else 0.0
-    return LoadView(scraped.running + scraped.waiting, kv, scraped.waiting, True)
+    short = bool(scraped.waiting_for_kv)
+    return LoadView(scraped.running + scraped.waiting, kv, scraped.waiting, True, short)
 
 
 def spare_capacity(weight: float, load: LoadView) -> float:

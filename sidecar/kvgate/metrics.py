@@ -64,6 +64,13 @@ class SidecarMetrics:
         self.scrape_errors = Counter(
             "kvgate_scrape_errors", "Failed scrapes or health checks.", ["backend"], registry=r
         )
+        self.health_kept = Counter(
+            "kvgate_health_kept",
+            "Health checks that timed out while the backend stayed in: it had served within "
+            "kvgate.registry.ALIVE_S, or taking it out would leave too little of the fleet.",
+            ["backend"],
+            registry=r,
+        )
         self.scrape_age = Gauge(
             "kvgate_scrape_age_seconds", "Age of the last good scrape.", ["backend"], registry=r
         )

@@ -41,7 +41,6 @@ class NginxSettings:
     route_headers: bool = True
     max_tries: int = 3
     retry_statuses: tuple[int, ...] = RETRY_STATUSES
-    retry_deadline: str = "10s"
     connect_timeout_ms: int = 2000
     upstream_keepalive_timeout: str = "4s"  # below the backends' idle close (vLLM: 5 s)
     first_byte_timeout_ms: int = 60_000  # per try; streams: also every later silence (see conf.lua)
@@ -156,7 +155,6 @@ def render(
         "session_header": settings.session_header,
         "route_headers": "true" if settings.route_headers else "false",
         "max_tries": str(settings.max_tries),
-        "retry_deadline": settings.retry_deadline,
         "retry_statuses": "".join(f" http_{s}" for s in settings.retry_statuses),
         "connect_timeout_ms": str(settings.connect_timeout_ms),
         "upstream_keepalive_timeout": settings.upstream_keepalive_timeout,

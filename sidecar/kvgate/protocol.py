@@ -20,7 +20,8 @@ sidecar -> Lua::
 
     {"pv":3,"i":id,"c":[[backend id,"host:port"],...],"r":route label,
      "pr":priority to write into the body (forwarded to vLLM),
-     "pc":[[backend id,"host:port"],...] prefill candidates (disaggregated: c then decodes)}   a decision
+     "pc":[[backend id,"host:port"],...] prefill candidates (disaggregated: c then decodes),
+     "fb":[ms,...] each candidate's first-byte timeout (kvgate.first_byte)}   a decision
     {"pv":3,"i":id,"q":1}   the request waits in the gateway queue: the same connection carries this
                             line again every heartbeat, then the decision or an error
     {"pv":3,"e":error code,"msg":text,"ra":retry after s}                an error
@@ -186,6 +187,7 @@ class DecisionReply:
     route: str  # the display label Nginx puts in X-Kvgate-Route
     priority: int | None = None  # to write into the request body, for vLLM's priority scheduling
     prefill: tuple[Candidate, ...] = ()  # disaggregated: the prefill leg's candidates
+    first_byte_ms: tuple[int, ...] = ()  # per candidate: how long a try waits for its first byte
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +427,8 @@ def encode_reply(reply: Reply) -> dict[str, Any]:
             out["pr"] = reply.priority
         if reply.prefill:
             out["pc"] = [[c.id, c.address] for c in reply.prefill]
+        if reply.first_byte_ms:
+            out["fb"] = list(reply.first_byte_ms)
         return out
     if isinstance(reply, QueuedReply):
         return {"pv": VERSION, "i": reply.decision_id, "q": 1}
@@ -464,6 +468,7 @@ def decode_reply(d: Mapping[str, Any]) -> Reply:
             str(d["r"]),
             d.get("pr"),
             tuple(Candidate(a, b) for a, b in prefill),
+            tuple(int(ms) for ms in d.get("fb", ())),
         )
     if "peers" in d:
         return PeersReply(

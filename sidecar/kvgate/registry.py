@@ -8,6 +8,7 @@ only when the set of eligible backends changes, never per request.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -16,13 +17,16 @@ from typing import NamedTuple
 from kvgate.config import BackendSpec, OutlierConfig, RoutingConfig, ScrapeConfig
 from kvgate.load import LoadView, Scraped, spare_capacity, view
 from kvgate.metrics import SidecarMetrics
-from kvgate.outliers import OutlierDetector, OutlierState, failure_reason
+from kvgate.outliers import CLIENT_CLOSED, OutlierDetector, OutlierState, failure_reason
 from kvgate.policies import NodeView, Snapshot
 from kvgate.protocol import Candidate
 from kvgate.ring import Ring
 
 logger = logging.getLogger(__name__)
 INFLIGHT_EXPIRY_S = 600.0  # a decision never reported (gateway crash) stops counting after this
+# A backend that delivered a response (a first byte, a successful end) this recently is alive: health
+# checks that time out say it is busy, not dead, and do not take it out.
+ALIVE_S = 10.0
 DROP_MEMORY_S = 10.0  # a drop that overtook its decision keeps that decision from counting
 DROP_MEMORY_MAX = 100_000
 
@@ -41,6 +45,8 @@ class BackendState:
     errors: int = 0
     address: str = ""  # host:port for Nginx, parsed once
     outlier: OutlierState = field(default_factory=OutlierState)
+    alive_at: float = -math.inf  # when it last delivered a response (first byte or success)
+    kept: bool = False  # its health checks time out, and it is kept in (logged once per spell)
 
     def __post_init__(self) -> None:
         self.address = self.spec.address
@@ -69,6 +75,15 @@ class _Inflight:
     at: float
     model: str | None = None
     prompt_bytes: int = 0  # the prompt's size, until the backend has counted its tokens (then 0)
+    work: int = 0  # prefill tokens ahead of its first token when routed (others' queued and its own)
+
+
+class FirstByte(NamedTuple):
+    """A decision's first byte came back: what ``kvgate.first_byte`` learns from."""
+
+    backend: str
+    work: int  # prefill tokens ahead of it when it was routed there
+    seconds: float  # from the decision to its first-byte report
 
 
 class Served(NamedTuple):
@@ -156,24 +171,71 @@ class Registry:
         elif was is not None and was.metrics_less and not scraped.metrics_less:
             logger.warning("backend %s serves /metrics now: its load comes from them again", bid)
         s.scraped, s.last_error = scraped, None
-        s.fails, s.oks = 0, s.oks + 1
+        self._health_ok(bid, s)
+
+    def load_unknown(self, bid: str, error: str) -> None:
+        """Healthy, but its metrics did not come: its load goes stale (unknown, never zero)."""
+        self.note_error(bid, error)
+        s = self.backends.get(bid)
+        if s is not None:
+            self._health_ok(bid, s)
+
+    def note_error(self, bid: str, error: str) -> None:
+        """A scrape that failed to bring a signal (shown in /v1/backends, counted)."""
+        s = self.backends.get(bid)
+        if s is not None:
+            s.last_error = error
+            self.metrics.scrape_errors.labels(bid).inc()
+
+    def _health_ok(self, bid: str, s: BackendState) -> None:
+        s.fails, s.oks, s.kept = 0, s.oks + 1, False
         if not s.healthy and s.oks >= self.scrape.healthy_after:
             s.healthy = True
             logger.warning("backend %s is healthy again", bid)
             self._rebuild()
 
-    def failure(self, bid: str, error: str) -> None:
-        """A failed scrape or health check (active health; request failures are ``outcome``'s)."""
+    def failure(self, bid: str, error: str, timeout: bool = False, now: float | None = None) -> None:
+        """A failed health check (active health; request failures are ``outcome``'s). One that timed
+        out is no proof of death: a backend that served within ``ALIVE_S`` stays in, and timeouts
+        never take out more of the fleet than outlier ejection may (``max_ejection_percent``, never
+        all): a fleet whose health checks all time out under load is busy, not gone."""
         s = self.backends.get(bid)
         if s is None:
             return
         s.last_error = error
         s.oks, s.fails = 0, s.fails + 1
         self.metrics.scrape_errors.labels(bid).inc()
-        if s.healthy and s.fails >= self.scrape.unhealthy_after:
-            s.healthy = False
-            logger.warning("backend %s marked unhealthy after %d failures: %s", bid, s.fails, error)
-            self._rebuild()
+        if not s.healthy or s.fails < self.scrape.unhealthy_after:
+            return
+        now = time.monotonic() if now is None else now
+        if timeout and (now - s.alive_at < ALIVE_S or not self._may_take_out()):
+            self.metrics.health_kept.labels(bid).inc()
+            if not s.kept:
+                s.kept = True
+                logger.warning(
+                    "backend %s: health checks time out (%s); kept in: %s",
+                    bid,
+                    error,
+                    f"it served {now - s.alive_at:.1f}s ago"
+                    if now - s.alive_at < ALIVE_S
+                    else "taking it out would leave too little of the fleet",
+                )
+            return
+        s.healthy = False
+        logger.warning("backend %s marked unhealthy after %d failures: %s", bid, s.fails, error)
+        self._rebuild()
+
+    def _may_take_out(self) -> bool:
+        """Whether one more backend may leave the fleet on ambiguous evidence (a timeout)."""
+        fleet = [b for b in self.backends.values() if not b.draining]
+        out = sum(1 for b in fleet if not b.eligible)
+        return out < self.outliers.max_ejected(len(fleet))
+
+    def alive(self, bid: str, now: float) -> None:
+        """``bid`` delivered a response: whatever its health checks say, it serves."""
+        s = self.backends.get(bid)
+        if s is not None:
+            s.alive_at = now
 
     # -- load ---------------------------------------------------------------------------------------
     def load_of(self, s: BackendState, now: float, unknown: float) -> LoadView:
@@ -265,7 +327,8 @@ class Registry:
         Nginx dropped it already (its drop report overtook the decision)."""
         if self._dropped.pop(decision_id, None) is not None or bid not in self.backends:
             return False
-        entry = _Inflight(bid, tokens, now, model, prompt_bytes)
+        work = self.inflight_tokens.get(bid, 0) + tokens
+        entry = _Inflight(bid, tokens, now, model, prompt_bytes, work)
         self._count(entry)
         self._inflight[decision_id] = entry
         return True
@@ -289,6 +352,7 @@ class Registry:
             return
         self._uncount(entry)
         entry.backend, entry.tokens = bid, tokens
+        entry.work = self.inflight_tokens.get(bid, 0) + tokens
         self._count(entry)
 
     def served(self, decision_id: str) -> Served | None:
@@ -315,14 +379,17 @@ class Registry:
         if len(self._dropped) > DROP_MEMORY_MAX:
             del self._dropped[next(iter(self._dropped))]
 
-    def prefill_done(self, decision_id: str) -> None:
-        """The first byte came back: this request no longer waits for prefill."""
+    def prefill_done(self, decision_id: str, backend: str, now: float) -> FirstByte | None:
+        """The first byte came back from ``backend``: this request no longer waits for prefill. The
+        time it took, when the backend it was routed to answered (not a fallback after a failure)."""
         entry = self._inflight.get(decision_id)
-        if entry is None or entry.tokens == 0:
-            return
+        if entry is None or entry.work < 0:
+            return None
         b = entry.backend
         self.inflight_tokens[b] = max(0, self.inflight_tokens.get(b, 0) - entry.tokens)
         entry.tokens = 0
+        work, entry.work = entry.work, -1  # once per request
+        return FirstByte(b, work, now - entry.at) if backend == b else None
 
     def expire_inflight(self, now: float) -> None:
         for did in [d for d, e in self._inflight.items() if now - e.at > INFLIGHT_EXPIRY_S]:
@@ -343,6 +410,8 @@ class Registry:
         reason = failure_reason(status, cut)
         if reason is not None:
             s.errors += 1
+        elif 0 < status < 500 and status != CLIENT_CLOSED:
+            s.alive_at = now
         fleet = [b for b in self.backends.values() if b.healthy and not b.draining]
         ejected = sum(1 for b in fleet if b.ejected)
         if self.outliers.record(s.outlier, reason, now, ejected, len(fleet)):
@@ -388,7 +457,11 @@ class Registry:
                         "requests": load.requests,
                         "waiting": load.waiting,
                         "kv_usage": None if not load.known else load.kv_usage,
+                        "waiting_for_kv": None if s.scraped is None else s.scraped.waiting_for_kv,
                     },
+                    "cache": None
+                    if s.scraped is None or s.scraped.block_size is None
+                    else {"block_size": s.scraped.block_size, "blocks": s.scraped.kv_blocks},
                     "spare_capacity": spare_capacity(s.spec.weight, load),
                     "scrape_age_s": None if s.scraped is None else round(now - s.scraped.at, 3),
                     "ttft_ewma_s": s.ttft_ewma,

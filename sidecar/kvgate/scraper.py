@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Mapping
 
 import aiohttp
 
@@ -34,16 +35,60 @@ _NAMES = {
 
 
 class ScrapeError(Exception):
-    pass
+    """The scrape did not give what it asked for."""
 
 
-_WANTED = {name for names in _NAMES.values() for name in names}
+class Unhealthy(ScrapeError):
+    """The health check failed: refused or reset (``timeout`` False), a status other than 200, or no
+    answer within the scrape's timeout (``timeout`` True: a hung server, or only a busy one)."""
+
+    def __init__(self, message: str, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+
+
+class LoadUnknown(ScrapeError):
+    """The backend is healthy but its metrics (or its model list) did not come: a missing signal,
+    not a dead server. vLLM under heavy load can answer ``/metrics`` slowly on every replica."""
+
+
 # Counters are exposed with _total; both spellings are accepted, _created series are not wanted.
+_WANTED = {name for names in _NAMES.values() for name in names}
+
+# Series read for one label's value, not summed: waiting requests by why they wait (vLLM 0.1x+:
+# "capacity" = no KV blocks free, "deferred" = e.g. awaiting a remote KV transfer), and the cache's
+# geometry, which vLLM exposes as labels of an info gauge.
+_LABELLED = {
+    "vllm:num_requests_waiting_by_reason": "reason",
+    "vllm:cache_config_info": "",
+}
+_WANTED |= set(_LABELLED)
 _PREFIXES = tuple(sorted(_WANTED))
 
 
-def _sample(line: str) -> tuple[str, float] | None:
-    """(name without ``_total``, value) of one exposition line, or None when it is not one we read."""
+def _labels(text: str) -> dict[str, str]:
+    """``{a="x",b="y"}`` as a dict; quote-aware (a value may hold ``,``, ``}`` or ``\"``)."""
+    out: dict[str, str] = {}
+    i, n = 1, len(text) - 1
+    while i < n:
+        eq = text.find("=", i)
+        if eq == -1 or eq + 1 >= n or text[eq + 1] != '"':
+            break
+        key = text[i:eq].strip().lstrip(",").strip()
+        j, value = eq + 2, []
+        while j < n and text[j] != '"':
+            if text[j] == "\\" and j + 1 < n:
+                j += 1
+            value.append(text[j])
+            j += 1
+        out[key] = "".join(value)
+        i = j + 1
+    return out
+
+
+def _sample(line: str) -> tuple[str, str, float] | None:
+    """(name without ``_total``, its labels as written, value) of one exposition line, or None when
+    it is not one we read."""
     brace = line.find("{")
     space = line.find(" ")
     end_name = brace if brace != -1 and (space == -1 or brace < space) else space
@@ -55,6 +100,7 @@ def _sample(line: str) -> tuple[str, float] | None:
     if name not in _WANTED:
         return None
     rest = line[end_name:]
+    labels = ""
     if rest.startswith("{"):
         # Skip the labels: a "}" inside a quoted value does not close them.
         quoted = escaped = False
@@ -66,7 +112,7 @@ def _sample(line: str) -> tuple[str, float] | None:
             elif ch == '"':
                 quoted = not quoted
             elif ch == "}" and not quoted:
-                rest = rest[i + 1 :]
+                labels, rest = rest[: i + 1], rest[i + 1 :]
                 break
         else:
             raise ScrapeError(f"unterminated labels in {line[:80]!r}")
@@ -77,20 +123,36 @@ def _sample(line: str) -> tuple[str, float] | None:
         value = float(fields[0])
     except ValueError:
         raise ScrapeError(f"unparseable metrics: value {fields[0][:20]!r} of {name}") from None
-    return (name, value) if math.isfinite(value) else None
+    return (name, labels, value) if math.isfinite(value) else None
+
+
+def _int_label(labels: Mapping[str, str], key: str) -> int | None:
+    try:
+        return int(labels[key])
+    except (KeyError, ValueError):
+        return None
 
 
 def parse_metrics(text: str, at: float) -> Scraped:
     """Load figures from exposition text; raises ScrapeError when it is not Prometheus text or has no
     vLLM request gauges at all."""
     sums: dict[str, float] = {}
+    capacity: float | None = None
+    cache: dict[str, str] = {}
     for line in text.splitlines():
         if not line.startswith(_PREFIXES):
             continue
         found = _sample(line)
-        if found is not None:
-            name, value = found
-            sums[name] = sums.get(name, 0.0) + value
+        if found is None:
+            continue
+        name, labels, value = found
+        if name in _LABELLED:
+            if name == "vllm:cache_config_info":
+                cache = _labels(labels)
+            elif _labels(labels).get("reason") == "capacity":
+                capacity = (capacity or 0.0) + value
+            continue
+        sums[name] = sums.get(name, 0.0) + value
 
     def first(kind: str) -> float | None:
         for name in _NAMES[kind]:
@@ -113,6 +175,9 @@ def parse_metrics(text: str, at: float) -> Scraped:
         prefix_hits=first("hits"),
         at=at,
         prompt_tokens=first("prompt_tokens"),
+        waiting_for_kv=capacity,
+        block_size=_int_label(cache, "block_size"),
+        kv_blocks=_int_label(cache, "num_gpu_blocks"),
     )
 
 
@@ -123,8 +188,8 @@ async def scrape(
     and a load of zero requests, so the policies see kvgate's own in-flight counts. ``auto`` treats a
     server with no ``/metrics`` route at all (404) the same way (SGLang without --enable-metrics,
     TGI's and llama.cpp's servers without it, mocks); a ``/metrics`` that answers anything else it
-    cannot read is still a failed scrape. Health is ``/health`` answering 200, or, for a server with
-    no ``/health`` route, ``/v1/models`` answering 200."""
+    cannot read is a ``LoadUnknown``. Health is ``/health`` answering 200, or, for a server with no
+    ``/health`` route, ``/v1/models`` answering 200; anything else is ``Unhealthy``."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def get_metrics() -> str | None:
@@ -132,7 +197,7 @@ async def scrape(
             if resp.status == 404 and metrics == "auto":
                 return None
             if resp.status != 200:
-                raise ScrapeError(f"/metrics answered {resp.status}")
+                raise LoadUnknown(f"/metrics answered {resp.status}")
             return await resp.text(errors="replace")
 
     async def get_health() -> None:
@@ -144,19 +209,40 @@ async def scrape(
             async with session.get(url + "/v1/models", timeout=timeout) as resp:
                 if resp.status == 200:
                     return
-                raise ScrapeError(f"/health answered {status}, /v1/models {resp.status}")
-        raise ScrapeError(f"/health answered {status}")
+                raise Unhealthy(f"/health answered {status}, /v1/models {resp.status}")
+        raise Unhealthy(f"/health answered {status}")
 
-    try:
-        if metrics == "none":
+    async def health() -> None:
+        try:
             await get_health()
-            return Scraped(0.0, 0.0, None, None, None, time.monotonic())
-        text, _ = await asyncio.gather(get_metrics(), get_health())
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise ScrapeError(f"{type(exc).__name__}: {exc}") from None
+        except TimeoutError:
+            raise Unhealthy(f"/health: no answer within {timeout_s * 1000:.0f} ms", timeout=True) from None
+        except aiohttp.ClientError as exc:
+            raise Unhealthy(f"{type(exc).__name__}: {exc}") from None
+
+    async def load() -> str | None:
+        try:
+            return await get_metrics()
+        except TimeoutError:
+            raise LoadUnknown(f"/metrics: no answer within {timeout_s * 1000:.0f} ms") from None
+        except aiohttp.ClientError as exc:
+            raise LoadUnknown(f"/metrics: {type(exc).__name__}: {exc}") from None
+
+    if metrics == "none":
+        await health()
+        return Scraped(0.0, 0.0, None, None, None, time.monotonic())
+    # Health decides first: a backend that fails it is Unhealthy whatever its metrics did.
+    got_health, text = await asyncio.gather(health(), load(), return_exceptions=True)
+    if isinstance(got_health, BaseException):
+        raise got_health
+    if isinstance(text, BaseException):
+        raise text
     if text is None:
         return Scraped(0.0, 0.0, None, None, None, time.monotonic(), metrics_less=True)
-    return parse_metrics(text, time.monotonic())
+    try:
+        return parse_metrics(text, time.monotonic())
+    except ScrapeError as exc:
+        raise LoadUnknown(str(exc)) from None
 
 
 async def served_models(session: aiohttp.ClientSession, url: str, timeout_s: float) -> frozenset[str]:
@@ -164,11 +250,11 @@ async def served_models(session: aiohttp.ClientSession, url: str, timeout_s: flo
     try:
         async with session.get(url + "/v1/models", timeout=timeout) as resp:
             if resp.status != 200:
-                raise ScrapeError(f"/v1/models answered {resp.status}")
+                raise LoadUnknown(f"/v1/models answered {resp.status}")
             data = await resp.json(content_type=None)
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        raise ScrapeError(f"/v1/models failed: {exc}") from None
+        raise LoadUnknown(f"/v1/models failed: {exc!r}") from None
     try:
         return frozenset(str(card["id"]) for card in data["data"])
     except (KeyError, TypeError) as exc:
-        raise ScrapeError(f"/v1/models has no data[].id: {exc}") from None
+        raise LoadUnknown(f"/v1/models has no data[].id: {exc}") from None

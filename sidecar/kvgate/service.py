@@ -22,6 +22,7 @@ from typing import Any
 
 from kvgate.config import Config, PolicyName
 from kvgate.features import Features, session_key
+from kvgate.first_byte import FirstByteBudget
 from kvgate.limits import DEFAULT_OUTPUT_TOKENS, RateLimiter
 from kvgate.metrics import SidecarMetrics
 from kvgate.policies import Decision, Request, SessionAction, Snapshot, decide, uncached_tokens
@@ -60,6 +61,7 @@ class Routed:
     pool: str | None = None  # the pool it was decided in, when pools are configured
     priority: int = 0  # the request's effective priority (the gateway queue's class)
     prefill: tuple[Candidate, ...] = ()  # disaggregated: where the prefill leg goes
+    first_byte_ms: tuple[int, ...] = ()  # each candidate's first-byte timeout (kvgate.first_byte)
 
     @property
     def label(self) -> str:
@@ -113,6 +115,7 @@ class DecisionService:
         self.index = index
         self.metrics = metrics
         self.tokens = tokens if tokens is not None else TokenEstimator(config.tokens)
+        self.first_byte = FirstByteBudget(config.gateway)
         self.queue = GatewayQueue(config.queue) if config.queue.enabled else None
         self._key_priority = {k.name: k.priority for k in config.auth.keys if k.priority is not None}
         self._wake: asyncio.Event | None = None  # live: sets off the dispatcher (dispatch_loop)
@@ -255,7 +258,12 @@ class DecisionService:
         strict = plan.req.features.key_source == "response"
         return strict or not any(snap.has_room(n) for n in snap.nodes)
 
-    def _routed(self, did: str, policy: PolicyName, plan: _Plan, priority: int) -> Routed:
+    def _routed(
+        self, did: str, policy: PolicyName, plan: _Plan, priority: int, counted: tuple[str, int] = ("", 0)
+    ) -> Routed:
+        """The decision as Nginx gets it; ``counted``: the backend this request is already counted
+        in flight on, with its tokens (not work ahead of itself)."""
+
         def pairs(ids: tuple[str, ...]) -> tuple[Candidate, ...]:
             return tuple(Candidate(b, self.registry.address(b)) for b in ids)
 
@@ -268,8 +276,36 @@ class DecisionService:
                 plan.pool,
                 priority,
                 pairs(plan.decision.candidates),
+                self._first_byte(plan, plan.decode, counted),
             )
-        return Routed(did, policy, plan.decision, pairs(plan.decision.candidates), plan.pool, priority)
+        ids = plan.decision.candidates
+        return Routed(
+            did,
+            policy,
+            plan.decision,
+            pairs(ids),
+            plan.pool,
+            priority,
+            (),
+            self._first_byte(plan, ids, counted),
+        )
+
+    def _first_byte(self, plan: _Plan, ids: tuple[str, ...], counted: tuple[str, int]) -> tuple[int, ...]:
+        """Each candidate's first-byte timeout: the prefill ahead of this request there, as the
+        policy saw it. Backends outside the plan's snapshot (decoders) or with untrusted load get
+        the ceiling."""
+        snap, req = plan.snap, plan.req
+        queued = self.registry.inflight_tokens
+        out = []
+        for b in ids:
+            work = queued.get(b, 0) - (counted[1] if b == counted[0] else 0)
+            work += uncached_tokens(req.features, req.prefix_depth.get(b, 0))
+            node = snap.nodes.get(b)
+            trusted = (
+                node is not None and node.load.known and not node.load.kv_short and not snap.saturated(b)
+            )
+            out.append(self.first_byte.budget_ms(b, work, trusted))
+        return tuple(out)
 
     async def _commit(
         self, did: str, policy: PolicyName, f: Features, plan: _Plan, priority: int, t0: float
@@ -297,7 +333,7 @@ class DecisionService:
             self.index.record(f.hashes, primary, plan.matched)
         self.metrics.decisions.labels(policy.value, decision.label).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
-        routed = self._routed(did, policy, plan, priority)
+        routed = self._routed(did, policy, plan, priority, (primary, uncached(primary)))
         self._recent.append((routed, f))
         return routed
 
@@ -511,7 +547,12 @@ class DecisionService:
             if o.kind is OutcomeKind.FIRST:
                 assert o.decision_id is not None
                 self._learn_tokens(o.decision_id)
-                self.registry.prefill_done(o.decision_id)
+                self.registry.alive(o.backend, now)
+                answered = self.registry.prefill_done(o.decision_id, o.backend, now)
+                if answered is not None:
+                    self.first_byte.learn(*answered)
+                    if len(self.first_byte) > len(self.registry.backends):
+                        self.first_byte.forget(set(self.registry.backends))
                 if o.response_id is not None:
                     # The backend stores this response: the conversation's next turn must come back.
                     self.sessions.remember(session_key("r", o.response_id), o.backend)

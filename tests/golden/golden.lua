@@ -93,8 +93,10 @@ local function run_protocol()
             for j = 1, #(d.prefill_ids or {}) do
                 prefill[j] = { d.prefill_ids[j], d.prefill_addrs[j] }
             end
+            local fb = d.first_byte_ms or {}
             meaning = { kind = "decision", decision_id = d.id, candidates = pairs_, route = d.route,
-                        n = #d.ids, priority = d.priority or null, prefill = prefill, np = #prefill }
+                        n = #d.ids, priority = d.priority or null, prefill = prefill, np = #prefill,
+                        first_byte_ms = fb, nfb = #fb }
         elseif case.wire.peers then
             local version, peers, known = protocol.peer_list(reply)
             local list = {}

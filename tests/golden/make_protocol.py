@@ -61,6 +61,12 @@ REPLIES = [
         (Candidate("sim-1", "127.0.0.1:8002"), Candidate("sim-0", "127.0.0.1:8001")),
         "prefix",
     ),
+    DecisionReply(
+        "1a2b.5f3c.48",
+        (Candidate("sim-1", "127.0.0.1:8002"), Candidate("sim-0", "127.0.0.1:8001")),
+        "ring",
+        first_byte_ms=(5000, 60000),
+    ),
     DecisionReply("1a2b.5f3c.43", (Candidate("vllm-a", "10.0.0.5:8000"),), "load/rebind-saturated"),
     DecisionReply("1a2b.5f3c.44", (), "no_backend"),
     DecisionReply("1a2b.5f3c.45", (Candidate("d-0", "10.0.1.1:8000"),), "ring@long", 3),
@@ -122,6 +128,7 @@ def reply(r: object) -> dict[str, object]:
             "route": r.route,
             "priority": r.priority,
             "prefill": [list(c) for c in r.prefill],
+            "first_byte_ms": list(r.first_byte_ms),
         }
     if isinstance(r, QueuedReply):
         return {"kind": "queued", "decision_id": r.decision_id}

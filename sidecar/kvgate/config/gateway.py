@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.config.parse import ConfigError, check_keys, integer
+from kvgate.config.parse import ConfigError, check_keys, integer, num
 
 # The statuses Nginx's proxy_next_upstream can retry on (http_403 ... http_504).
 RETRYABLE = frozenset({403, 404, 429, 500, 502, 503, 504})
@@ -20,9 +20,13 @@ class GatewayConfig:
 
     route_headers: bool = True  # X-Kvgate-Backend and X-Kvgate-Route: which backend served, and why
     decision_timeout_ms: int = 50  # the whole budget of one call to the sidecar, then fail-open
-    first_byte_timeout_ms: int = (
-        60_000  # per try (streams: also every later silence; see lua/kvgate/conf.lua)
-    )
+    # The wait for a response's first byte, per try (streams: also every later silence; see
+    # lua/kvgate/conf.lua): the sidecar's budget for the request (``kvgate.first_byte``), margin x
+    # the expected time to first token on that backend, between the floor and this ceiling. Fail-open
+    # requests and backends without a trusted prediction get the ceiling.
+    first_byte_timeout_ms: int = 60_000
+    first_byte_min_ms: int = 5_000  # (at most the ceiling)
+    first_byte_margin: float = 4.0
     token_timeout_ms: int = 100  # JSON responses come whole: each requested token adds this much
     max_read_timeout_ms: int = 600_000
     client_max_body_size: str = "16m"
@@ -47,6 +51,8 @@ class GatewayConfig:
                 "route_headers",
                 "decision_timeout_ms",
                 "first_byte_timeout_ms",
+                "first_byte_min_ms",
+                "first_byte_margin",
                 "token_timeout_ms",
                 "max_read_timeout_ms",
                 "client_max_body_size",
@@ -74,10 +80,16 @@ class GatewayConfig:
             isinstance(edge, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", edge)
         ):
             raise ConfigError(f"{w}.edge_access: expected a Lua module name like edge.auth, got {edge!r}")
+        first_byte = integer(d, w, "first_byte_timeout_ms", 60_000, 100, 3_600_000)
+        floor = integer(d, w, "first_byte_min_ms", min(5_000, first_byte), 100, 3_600_000)
+        if floor > first_byte:
+            raise ConfigError(f"{w}.first_byte_min_ms ({floor}) must not exceed {w}.first_byte_timeout_ms")
         return cls(
             route_headers=headers,
             decision_timeout_ms=integer(d, w, "decision_timeout_ms", 50, 1, 10_000),
-            first_byte_timeout_ms=integer(d, w, "first_byte_timeout_ms", 60_000, 100, 3_600_000),
+            first_byte_timeout_ms=first_byte,
+            first_byte_min_ms=floor,
+            first_byte_margin=num(d, w, "first_byte_margin", 4.0, 1.0, 100.0),
             token_timeout_ms=integer(d, w, "token_timeout_ms", 100, 0, 60_000),
             max_read_timeout_ms=integer(d, w, "max_read_timeout_ms", 600_000, 100, 86_400_000),
             client_max_body_size=size,

@@ -1,0 +1,82 @@
+"""The first-byte budget (``kvgate.first_byte``): learned per backend, trusted only where it can be."""
+
+from __future__ import annotations
+
+import random
+
+from kvgate.config import GatewayConfig
+from kvgate.first_byte import MIN_SAMPLES, FirstByteBudget
+
+
+def budget(**kw: int | float) -> FirstByteBudget:
+    return FirstByteBudget(GatewayConfig(**kw))  # type: ignore[arg-type]
+
+
+def test_a_backend_that_answered_too_rarely_gets_the_ceiling() -> None:
+    b = budget(first_byte_timeout_ms=60_000, first_byte_min_ms=5_000)
+    for _ in range(MIN_SAMPLES - 1):
+        b.learn("a", 1000, 0.1)
+    assert b.predict("a", 1000) is None
+    assert b.budget_ms("a", 1000, trusted=True) == 60_000
+    b.learn("a", 1000, 0.1)
+    assert b.budget_ms("a", 1000, trusted=True) == 5_000  # 4 x 0.1 s is under the floor
+
+
+def test_the_fit_finds_the_base_and_the_cost_per_token() -> None:
+    """First bytes that take 50 ms plus 0.1 ms per token of work ahead are learned as such."""
+    b = budget()
+    rng = random.Random(3)
+    for _ in range(200):
+        work = rng.randrange(0, 40_000)
+        b.learn("a", work, 0.05 + work * 1e-4 + rng.uniform(-0.005, 0.005))
+    expected = b.predict("a", 100_000)
+    assert expected is not None and abs(expected - 10.05) < 0.3
+    # margin 4: 40 s, inside [5 s, 60 s]
+    assert abs(b.budget_ms("a", 100_000, trusted=True) - 40_200) < 1_500
+    assert b.budget_ms("a", 1_000_000, trusted=True) == 60_000  # the ceiling holds
+
+
+def test_answers_all_of_one_size_give_a_rate_through_zero() -> None:
+    b = budget(first_byte_min_ms=100)
+    for _ in range(10):
+        b.learn("a", 2000, 0.2)
+    assert abs((b.predict("a", 4000) or 0) - 0.4) < 1e-9
+    assert b.budget_ms("a", 4000, trusted=True) == 1600
+
+
+def test_an_untrusted_load_gets_the_ceiling_whatever_was_learned() -> None:
+    """A saturated or unknown backend may queue (or preempt) far beyond what it answered before:
+    a short budget there would cut streams the client already has."""
+    b = budget()
+    for _ in range(10):
+        b.learn("a", 1000, 0.05)
+    assert b.budget_ms("a", 1000, trusted=False) == 60_000
+
+
+def test_the_fit_follows_a_backend_that_slowed_down() -> None:
+    b = budget(first_byte_min_ms=100)
+    for _ in range(50):
+        b.learn("a", 4000, 0.1)
+    for _ in range(100):
+        b.learn("a", 4000, 1.0)  # ten times slower now (another tenant, a smaller GPU)
+    expected = b.predict("a", 4000)
+    assert expected is not None and 0.9 < expected < 1.0
+
+
+def test_nonsense_samples_are_ignored_and_slopes_are_bounded() -> None:
+    b = budget()
+    for bad in (float("nan"), float("inf"), -1.0):
+        b.learn("a", 10, bad)
+    assert len(b) == 0
+    for i in range(10):
+        b.learn("a", i, 500.0 * i)  # 500 s per token: no prefill is that slow
+    d = b.describe("a")
+    assert d is not None and d["s_per_1k_tokens"] <= 10.0
+
+
+def test_backends_that_left_are_forgotten() -> None:
+    b = budget()
+    for bid in ("a", "b", "c"):
+        b.learn(bid, 100, 0.1)
+    b.forget({"b"})
+    assert len(b) == 1 and b.describe("b") is not None and b.describe("a") is None
