@@ -7,7 +7,10 @@ APT_PACKAGES := nginx-light libnginx-mod-http-lua lua-resty-core lua-resty-lruca
                 redis-server lua-check prometheus docker-compose python3-venv
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test test-docker check fmt clean
+VLLM_VENV := .vllm-venv
+VLLM_MODEL := .vllm-model
+
+.PHONY: setup demo test test-docker test-real real-vllm check fmt clean
 
 setup: .setup-apt.stamp $(VENV)/.installed
 
@@ -44,6 +47,20 @@ check: setup
 fmt: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+# A real vLLM (CPU build) in its own virtualenv, and the tiny model it serves, built from code.
+real-vllm: $(VLLM_VENV)/.installed $(VLLM_MODEL)/MANIFEST
+
+$(VLLM_VENV)/.installed: vllm_real/install.sh
+	@vllm_real/install.sh $(VLLM_VENV)
+	@touch $@
+
+$(VLLM_MODEL)/MANIFEST: vllm_real/model.py $(VLLM_VENV)/.installed
+	@$(VLLM_VENV)/bin/python vllm_real/model.py --out $(VLLM_MODEL)
+
+# The end-to-end suite against real vLLM servers (tests/real; run by CI after `make test`).
+test-real: setup real-vllm
+	$(PY) -m pytest -m real tests/real
 
 clean:
 	rm -rf .run .setup-apt.stamp $(VENV) *.egg-info

@@ -19,6 +19,7 @@ PACKAGES = {
     "kvgate": ROOT / "sidecar" / "kvgate",
     "kvgate_bench": ROOT / "kvgate_bench",
     "vllm_sim": ROOT / "vllm_sim",
+    "vllm_real": ROOT / "vllm_real",
 }
 OURS = tuple(PACKAGES)
 

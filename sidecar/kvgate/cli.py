@@ -121,7 +121,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     u.add_argument("--run-dir", default=str(RUN_DIR))
     u.add_argument("--port", type=int, default=8080)
     u.add_argument("--sim-port", type=int, default=8001)
-    u.add_argument("--backends", type=int, default=3)
+    u.add_argument("--backends", type=int, default=3, help="simulated backends of the demo")
+    u.add_argument(
+        "--real-vllm",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N real vLLM servers (CPU build, tiny model; `make real-vllm` installs them) "
+        "instead of the simulators",
+    )
     u.add_argument("--redis-port", type=int, default=6380)
     u.add_argument(
         "--sidecar-port", type=int, default=None, help="the sidecar's loopback HTTP API (default 9100)"

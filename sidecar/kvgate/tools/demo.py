@@ -1,8 +1,10 @@
 """``kvgate up`` / ``kvgate down``: the whole stack as local processes under one supervisor.
 
 Without ``--config`` it is the demo: redis-server, simulated vLLM backends, the sidecar and Nginx, all
-on loopback with their state in the run directory. With ``--config`` it fronts the backends the config
-lists (no simulators); a Redis URL on this machine's loopback is started here too.
+on loopback with their state in the run directory; ``--real-vllm N`` puts N real vLLM servers (the
+CPU build and tiny model of ``make real-vllm``) in place of the simulators. With ``--config`` it
+fronts the backends the config lists (no simulators); a Redis URL on this machine's loopback is
+started here too.
 """
 
 from __future__ import annotations
@@ -21,18 +23,26 @@ from kvgate.nginx_conf import NginxSettings
 from kvgate.tools.launcher import Supervisor, launch_replica, write_private
 
 DEMO_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+REAL_MODEL = "kvgate-tiny"  # what vllm_real's fleet serves
 
 
 def demo_config(
-    sim_port: int, instances: int, redis_port: int, run_dir: Path, token: str, sidecar_port: int
+    backends: list[tuple[str, str]], redis_port: int, run_dir: Path, token: str, sidecar_port: int
 ) -> dict[str, Any]:
+    """The demo's sidecar config over ``backends`` (id, url)."""
     return {
         "listen": {"socket": str(run_dir / "sidecar.sock"), "http_port": sidecar_port, "admin_token": token},
         "redis": {"url": f"redis://127.0.0.1:{redis_port}/0"},
-        "backends": [
-            {"id": f"sim-{i + 1}", "url": f"http://127.0.0.1:{sim_port + i}"} for i in range(instances)
-        ],
+        "backends": [{"id": bid, "url": url} for bid, url in backends],
     }
+
+
+def _start_real_vllm(sup: Supervisor, n: int) -> list[tuple[str, str]]:
+    from vllm_real.fleet import Fleet, ServerSpec
+
+    print(f"starting {n} real vLLM server(s) (CPU build, tiny model; about a minute or two)", flush=True)
+    urls = Fleet(sup).start([ServerSpec()] * n)
+    return [(f"vllm-{i + 1}", url) for i, url in enumerate(urls)]
 
 
 def _local_redis_port(url: str | None) -> int | None:
@@ -81,16 +91,20 @@ def cmd_up(args: argparse.Namespace) -> int:
             config = Config.from_file(config_path, {**os.environ, **env})
         else:
             token = os.environ.get("KVGATE_ADMIN_TOKEN") or secrets.token_urlsafe(16)
+            if args.real_vllm:
+                backends = [(f"vllm-{i + 1}", "http://127.0.0.1:0") for i in range(args.real_vllm)]
+            else:
+                backends = [
+                    (f"sim-{i + 1}", f"http://127.0.0.1:{args.sim_port + i}") for i in range(args.backends)
+                ]
             demo = demo_config(
-                args.sim_port,
-                args.backends,
+                backends,
                 args.redis_port,
                 run_dir,
                 token,
                 args.sidecar_port if args.sidecar_port is not None else DEFAULT_SIDECAR_PORT,
             )
-            config_path = sup.write_config(demo, "kvgate-sidecar")
-            config = Config.from_file(config_path)
+            config = Config.from_mapping(demo, {})  # checked now; written once the backends are known
     except ConfigError as exc:
         print(f"kvgate: invalid config: {exc}", file=sys.stderr)
         return 2
@@ -110,7 +124,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         if redis_port is not None:
             print(f"starting redis-server on 127.0.0.1:{redis_port}")
             sup.start_redis(redis_port)
-        if not args.config:
+        if not args.config and args.real_vllm:
+            demo["backends"] = [{"id": b, "url": u} for b, u in _start_real_vllm(sup, args.real_vllm)]
+        elif not args.config:
             last = args.sim_port + args.backends - 1
             print(f"starting {args.backends} simulated vLLM backends on ports {args.sim_port}..{last}")
             sup.start_sim(
@@ -122,6 +138,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                 "--time-scale",
                 str(args.time_scale),
             )
+        if not args.config:
+            config_path = sup.write_config(demo, "kvgate-sidecar")
+            config = Config.from_file(config_path)
         print("starting the kvgate sidecar and nginx")
         settings = NginxSettings.from_config(config, listen=f"127.0.0.1:{args.port}", run_dir=str(run_dir))
         launch_replica(sup, STACK, config_path, settings, env, wait_peers=False)
@@ -131,7 +150,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         pid_file.unlink(missing_ok=True)
         return 1
     base = f"http://127.0.0.1:{args.port}"
-    model = DEMO_MODEL if not args.config else "<your model>"
+    model = "<your model>" if args.config else REAL_MODEL if args.real_vllm else DEMO_MODEL
     print(
         f"""
 kvgate is up: gateway {base}  (sidecar API http://127.0.0.1:{config.listen.http_port}, logs in {run_dir})

@@ -1,0 +1,180 @@
+"""Starts real vLLM servers (``vllm serve``) of the tiny model on free ports, waits for their ``/health``
+and stops them: the fleet the real-vLLM tests, ``kvgate up --real-vllm`` and the benchmark run on.
+
+Each server is one process of the CPU build with one OpenMP thread and no thread binding (on a
+2-core machine two threads made decode collapse whenever another process held a core), the KV cache
+sized in blocks (``num_gpu_blocks``: a small cache makes eviction happen) and the options a test
+asks for: the priority scheduler, a ZMQ KV-events publisher, a NixlConnector role. Facts behind
+these choices (block size 128 on CPU, startup 40-90 s, about 2 GiB per server) were measured on
+this kind of machine; see docs/real-vllm.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvgate.tools.launcher import Supervisor, free_port, wait_ready
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = ROOT / ".vllm-venv"
+MODEL_DIR = ROOT / ".vllm-model"
+MODEL = "kvgate-tiny"  # the name the fleet serves the model under
+BLOCK_SIZE = 128  # vLLM's default KV block on CPU (16 on GPUs)
+START_TIMEOUT_S = 300.0  # a first start compiles (about 85 s alone; more beside other servers)
+MAX_MODEL_LEN = 16384
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    """How to start one server."""
+
+    num_gpu_blocks: int | None = 256  # KV blocks of BLOCK_SIZE tokens (None: VLLM_CPU_KVCACHE_SPACE)
+    max_model_len: int = MAX_MODEL_LEN
+    scheduling_policy: str = "fcfs"  # or "priority"
+    kv_events_port: int | None = None  # a ZMQ PUB publisher of KV-cache events on this port
+    kv_events_replay_port: int | None = None  # its ROUTER replay socket
+    kv_role: str | None = None  # NixlConnector: kv_producer | kv_consumer | kv_both
+    extra: tuple[str, ...] = ()
+
+    def argv(self, port: int, venv: Path = VENV, model_dir: Path = MODEL_DIR) -> list[str]:
+        out = [
+            str(venv / "bin" / "vllm"),
+            "serve",
+            str(model_dir),
+            "--served-model-name",
+            MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--scheduling-policy",
+            self.scheduling_policy,
+        ]
+        if self.num_gpu_blocks is not None:
+            out += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
+        if self.kv_events_port is not None:
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://127.0.0.1:{self.kv_events_port}",
+                "topic": "kv-events",
+            }
+            if self.kv_events_replay_port is not None:
+                events["replay_endpoint"] = f"tcp://127.0.0.1:{self.kv_events_replay_port}"
+            out += ["--kv-events-config", json.dumps(events)]
+        if self.kv_role is not None:
+            transfer = {"kv_connector": "NixlConnector", "kv_role": self.kv_role, "kv_buffer_device": "cpu"}
+            out += ["--kv-transfer-config", json.dumps(transfer)]
+        return out + list(self.extra)
+
+
+def server_env(nixl_port: int | None = None) -> dict[str, str]:
+    env = {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if nixl_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(nixl_port)
+    return env
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return bool(resp.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def check_installed(venv: Path = VENV, model_dir: Path = MODEL_DIR) -> None:
+    if not (venv / "bin" / "vllm").exists() or not (model_dir / "MANIFEST").exists():
+        raise FileNotFoundError(f"no real vLLM at {venv} / {model_dir}: run `make real-vllm`")
+
+
+@dataclass
+class Fleet:
+    """Servers started by one supervisor; ``urls`` in start order."""
+
+    sup: Supervisor
+    urls: list[str] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+
+    def start(self, specs: Sequence[ServerSpec], prefix: str = "vllm") -> list[str]:
+        """Start one server per spec, all at once (each compiles and loads in parallel), and wait
+        until every one answers /health. Returns their URLs."""
+        check_installed()
+        started = []
+        for spec in specs:
+            port = free_port()
+            name = f"{prefix}-{len(self.names)}"
+            nixl = free_port() if spec.kv_role is not None else None
+            proc = self.sup.spawn(name, spec.argv(port), server_env(nixl))
+            url = f"http://127.0.0.1:{port}"
+            started.append((proc, url))
+            self.urls.append(url)
+            self.names.append(name)
+        for proc, url in started:
+            wait_ready(proc, f"vLLM at {url} is healthy", functools.partial(healthy, url), START_TIMEOUT_S)
+        return [url for _, url in started]
+
+    def stop(self, i: int) -> None:
+        self.sup.kill(self.names[i])
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_real.fleet", description="Run N real vLLM servers until Ctrl-C."
+    )
+    parser.add_argument("n", type=int, nargs="?", default=2)
+    parser.add_argument("--blocks", type=int, default=256, help="KV blocks per server (128 tokens each)")
+    parser.add_argument("--priority", action="store_true", help="--scheduling-policy priority")
+    parser.add_argument("--run-dir", type=Path, default=Path(".run/vllm"))
+    args = parser.parse_args(argv)
+    sup = Supervisor(args.run_dir)
+    fleet = Fleet(sup)
+    # SIGTERM stops the fleet as Ctrl-C does: its servers never outlive the command.
+    signal.signal(signal.SIGTERM, _interrupt)
+    spec = ServerSpec(num_gpu_blocks=args.blocks, scheduling_policy="priority" if args.priority else "fcfs")
+    t0 = time.monotonic()
+    try:
+        urls = fleet.start([spec] * args.n)
+        print(f"{len(urls)} vLLM server(s) healthy in {time.monotonic() - t0:.0f}s, serving {MODEL}:")
+        for url in urls:
+            print(f"  {url}")
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sup.stop_all()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
