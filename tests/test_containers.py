@@ -109,6 +109,7 @@ def gateway_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         gateway = (
             DockerContainer(str(gw))
             .with_network(net)
+            .with_volume_mapping(str(config), "/etc/kvgate/kvgate.yaml", "ro")  # rendered at its start
             .with_volume_mapping(str(sock), "/run/kvgate-sock", "rw")
             .with_exposed_ports(8080)
         )

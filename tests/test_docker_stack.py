@@ -1,13 +1,14 @@
 """The Docker stack, checked without a Docker engine: the compose files validate (Debian's
 docker-compose), Prometheus's config passes promtool, every Grafana panel's query names a metric a live
 kvgate and simulator actually export, the images are pinned and unprivileged, and the gateway image's
-render step runs outside Docker and gives a config Nginx accepts."""
+start renders Nginx from the config the sidecar reads and serves with its keys, run outside Docker."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
-import shlex
+import signal
 import subprocess
 import urllib.error
 import urllib.request
@@ -17,11 +18,12 @@ from typing import Any
 import openai
 import pytest
 import yaml
-from kvgate.nginx_conf import DEBIAN_MODULES
-from kvgate.tools.launcher import Supervisor, free_port
+from kvgate.config import hash_key
+from kvgate.nginx_conf import worker_identity
+from kvgate.tools.launcher import Supervisor, free_port, launch_replica
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import MODEL, require_binary
+from tests.conftest import MODEL, require_binary, wait_until
 from tests.helpers import Gateway, start_backends
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,40 +102,84 @@ def test_kvgate_images_run_unprivileged_on_pinned_bases() -> None:
     assert {".git", ".venv", ".run", "bench-results"} <= set(ignored)
 
 
-def test_the_gateway_images_render_step_runs_outside_docker(tmp_path: Path) -> None:
-    """The exact `kvgate render-nginx` line of Dockerfile.gateway, its container paths moved into a
-    temp dir: it succeeds, logs to stderr, and Nginx accepts what it wrote (given the Lua module, which
-    the OpenResty image has built in)."""
-    text = (DOCKER / "Dockerfile.gateway").read_text().replace("\\\n", " ")
-    line = re.search(r"RUN (kvgate render-nginx [^\n]*)", text)
-    assert line is not None
-    args = shlex.split(line.group(1))
-    moved = {"/out": tmp_path / "out", "/var/run/kvgate": tmp_path / "run", "/opt/kvgate/lua": ROOT / "lua"}
-    args = [str(moved.get(a, a)) for a in args]
-    args[args.index("--config") + 1] = str(DOCKER / "kvgate.yaml")
-    done = subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "kvgate"), *args[1:]], capture_output=True, text=True, timeout=60
+def test_the_gateway_containers_start_renders_from_the_sidecars_config_outside_docker(
+    stack: Supervisor, tmp_path: Path
+) -> None:
+    """The pod's container split, run locally: a sidecar on the ConfigMap's config (API keys added
+    there and nowhere else, route headers off), and the gateway container's own start script
+    (docker/gateway-start.sh: render from the mounted config, then run Nginx) on the same file, its
+    container paths moved into a temp dir and Debian's Nginx for the image's OpenResty. The keys
+    hold (no key and a wrong key: 401; the key: 200), the route headers stay off, and both halves say
+    they run one config."""
+    key = "sk-only-in-the-configmap-0123"
+    sim = start_backends(stack, 2)
+    k8s = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "configmap.yaml").read_text())
+    config = yaml.safe_load(k8s["data"]["kvgate.yaml"])
+    config.pop("discovery")
+    config["backends"] = [{"id": f"vllm-{i}", "url": f"http://127.0.0.1:{sim + i}"} for i in range(2)]
+    config["redis"] = {"url": None}
+    config["membership"] = {"allow": ["127.0.0.1"]}
+    config["listen"].update(socket=str(stack.run_dir / "sidecar.sock"), http_port=free_port())
+    config["listen"]["metrics_port"] = free_port()
+    config["auth"] = {"keys": [{"name": "team", "sha256": hash_key(key)}]}
+    config["gateway"] = {"route_headers": False}
+    mounted = tmp_path / "etc-kvgate" / "kvgate.yaml"
+    mounted.parent.mkdir()
+    mounted.write_text(yaml.safe_dump(config))
+    env = {"KVGATE_LISTEN_SOCKET_GROUP": worker_identity(None)[1]} if os.geteuid() == 0 else None
+    sidecar = launch_replica(stack, "pod", mounted, env=env)
+    port = free_port()
+    start = subprocess.Popen(
+        [str(DOCKER / "gateway-start.sh")],
+        env={
+            **os.environ,
+            "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ['PATH']}:/usr/sbin",
+            "GATEWAY_CONFIG": str(mounted),
+            "GATEWAY_RUN_DIR": str(tmp_path / "run"),
+            "GATEWAY_LUA_DIR": str(ROOT / "lua"),
+            "GATEWAY_LISTEN": f"127.0.0.1:{port}",
+            "GATEWAY_NGINX": require_binary("nginx"),
+            "GATEWAY_RENDER_FLAGS": "",  # Debian's Nginx: the Lua module is loaded, not built in
+        },
+        start_new_session=True,
     )
-    assert done.returncode == 0, done.stderr
-    conf = (tmp_path / "out" / "nginx.conf").read_text()
-    assert "error_log /dev/stderr warn;" in conf and "load_module" not in conf
-    # Debian's Nginx loads the Lua module dynamically; the image's OpenResty needs no such line.
-    modules = "".join(f"load_module {m};\n" for m in DEBIAN_MODULES if Path(m).exists())
-    (tmp_path / "out" / "nginx.conf").write_text(modules + conf)
-    check = subprocess.run(
-        [
-            require_binary("nginx"),
-            "-t",
-            "-p",
-            str(tmp_path / "run"),
-            "-c",
-            str(tmp_path / "out" / "nginx.conf"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(
+            lambda: start.poll() is None and _get(url + "/kvgate/health")["config"] == "ok", timeout=20
+        )
+        assert _get(sidecar.http + "/healthz")["config"] == "ok"
+        rendered = (tmp_path / "run" / "nginx" / "nginx.conf").read_text()
+        assert "error_log /dev/stderr warn;" in rendered
+        assert _chat(url, None)[0] == 401 and _chat(url, "wrong")[0] == 401
+        status, headers = _chat(url, key)
+        assert status == 200 and "X-Kvgate-Backend" not in headers
+    finally:
+        os.killpg(start.pid, signal.SIGTERM)
+        start.wait(10)
+
+
+def _get(url: str) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return json.loads(exc.read())
+
+
+def _chat(url: str, key: str | None) -> tuple[int, dict[str, str]]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    req = urllib.request.Request(
+        url + "/v1/chat/completions", json.dumps(body).encode(), headers=headers, method="POST"
     )
-    assert check.returncode == 0, check.stderr
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, dict(exc.headers)
 
 
 def _families(url: str) -> set[str]:

@@ -60,12 +60,17 @@ def test_the_pieces_agree_with_each_other_and_with_the_images() -> None:
     secret = m["Secret/kvgate-redis"]["stringData"]
     config = Config.from_mapping(yaml.safe_load(m["ConfigMap/kvgate-config"]["data"]["kvgate.yaml"]), secret)
     assert config.redis.url == secret["KVGATE_REDIS_URL"]
-    # Its socket is where the gateway image's Nginx looks (docker/kvgate.yaml rendered it), on the
-    # volume both containers mount.
-    rendered = yaml.safe_load((ROOT / "docker" / "kvgate.yaml").read_text())["listen"]["socket"]
-    assert config.listen.socket == rendered
-    mounts = {c: {v["mountPath"] for v in containers[c]["volumeMounts"]} for c in ("gateway", "sidecar")}
-    assert all(str(Path(rendered).parent) in paths for paths in mounts.values())
+    # One config for both halves: both containers mount it where they read it (the gateway renders
+    # Nginx from it at every start, docker/gateway-start.sh), and the socket is on a volume both mount.
+    mounts = {c: {v["mountPath"]: v["name"] for v in containers[c]["volumeMounts"]} for c in containers}
+    assert mounts["gateway"]["/etc/kvgate"] == mounts["sidecar"]["/etc/kvgate"] == "config"
+    assert containers["sidecar"]["args"][3] == "/etc/kvgate/kvgate.yaml"
+    start = (ROOT / "docker" / "gateway-start.sh").read_text()
+    assert "GATEWAY_CONFIG:=/etc/kvgate/kvgate.yaml" in start
+    assert all(str(Path(config.listen.socket).parent) in paths for paths in mounts.values())
+    # A read-only root: what Nginx writes (its rendered config, pid, temp files) goes to a volume.
+    assert all(c["securityContext"]["readOnlyRootFilesystem"] for c in containers.values())
+    assert mounts["gateway"]["/var/run/kvgate"] == "nginx-run"
     # Probes: the gateway's on vLLM's /health and Nginx's own; the sidecar's on its metrics listener
     # (the loopback API is unreachable from the kubelet).
     gw = containers["gateway"]

@@ -122,6 +122,11 @@ def test_lua_protocol_matches_the_golden_file(phase: Phase) -> None:
                 want["peers"],
                 want["known"],
             )
+            assert (lua["fingerprint"], lua["auth"], lua["limits"]) == (
+                want["fingerprint"],
+                want["auth"],
+                want["limits"],
+            )
         else:
             assert lua == want
     assert got["mismatch"]["accepted"] is False and "mismatch" in got["mismatch"]["error"]

@@ -81,7 +81,14 @@ def reply(d: dict[str, Any]) -> object:
     if kind == "keys":
         return KeysReply(d["version"], d["keys"])
     if kind == "peers":
-        return PeersReply(d["version"], tuple(Candidate(*p) for p in d["peers"]), d["known"])
+        return PeersReply(
+            d["version"],
+            tuple(Candidate(*p) for p in d["peers"]),
+            d["known"],
+            d["fingerprint"],
+            d["auth"],
+            d["limits"],
+        )
     return ModelsReply(tuple(d["cards"]))
 
 
@@ -104,9 +111,11 @@ def test_report_messages_encode_and_decode_as_golden(case: dict[str, Any]) -> No
 
 
 def test_queries_encode_and_decode_as_golden() -> None:
-    assert protocol.encode_message(PeersQuery()) == GOLDEN["peers"]["wire"]
+    assert protocol.encode_message(PeersQuery(GOLDEN["peers"]["fingerprint"])) == GOLDEN["peers"]["wire"]
     assert protocol.encode_message(ModelsQuery()) == GOLDEN["models"]["wire"]
-    assert protocol.decode_message(protocol.line(GOLDEN["peers"]["wire"])) == PeersQuery()
+    assert protocol.decode_message(protocol.line(GOLDEN["peers"]["wire"])) == PeersQuery(
+        GOLDEN["peers"]["fingerprint"]
+    )
     assert protocol.decode_message(protocol.line(GOLDEN["models"]["wire"])) == ModelsQuery()
     assert protocol.encode_message(KeysQuery()) == GOLDEN["keys"]["wire"]
     assert protocol.decode_message(protocol.line(GOLDEN["keys"]["wire"])) == KeysQuery()
@@ -124,20 +133,20 @@ def test_replies_encode_and_decode_as_golden(case: dict[str, Any]) -> None:
     [
         (b'{"op":"peers"}', ErrorCode.PROTOCOL_VERSION),
         (b'{"pv":1,"op":"peers"}', ErrorCode.PROTOCOL_VERSION),
-        (b'{"pv":3,"op":"nope"}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":4,"op":"nope"}', ErrorCode.BAD_REQUEST),
         (b"[1,2]", ErrorCode.BAD_REQUEST),
         (b"\xff\xfe", ErrorCode.BAD_REQUEST),
-        (b'{"pv":3,"op":"decide","i":"a","f":{"k":"h:\xed\xa0\x80"}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":3,"op":"decide","i":"a","f":{"k":"h:\\udfff"}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":3,"op":"decide","i":"a","f":{"b":NaN}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":3,"op":"decide","i":"a","f":{"b":1e400}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":3,"op":"decide","i":"a","f":{"h":"not a list"}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":3,"op":"decide","i":"a","f":[]}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":3,"op":"decide","f":{}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":3,"op":"decide","i":5,"f":{}}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":3,"op":"report","o":[{"k":"end","i":7}]}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":3,"op":"report","o":[{"k":"sideways"}]}', ErrorCode.BAD_REQUEST),
-        (b'{"pv":3,"op":"report","o":[{"k":"drop"}]}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":4,"op":"decide","i":"a","f":{"k":"h:\xed\xa0\x80"}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":4,"op":"decide","i":"a","f":{"k":"h:\\udfff"}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":4,"op":"decide","i":"a","f":{"b":NaN}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":4,"op":"decide","i":"a","f":{"b":1e400}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":4,"op":"decide","i":"a","f":{"h":"not a list"}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":4,"op":"decide","i":"a","f":[]}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":4,"op":"decide","f":{}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":4,"op":"decide","i":5,"f":{}}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":4,"op":"report","o":[{"k":"end","i":7}]}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":4,"op":"report","o":[{"k":"sideways"}]}', ErrorCode.BAD_REQUEST),
+        (b'{"pv":4,"op":"report","o":[{"k":"drop"}]}', ErrorCode.BAD_REQUEST),
     ],
 )
 def test_lines_that_are_not_messages_are_refused_with_a_code(raw: bytes, code: ErrorCode) -> None:
@@ -157,5 +166,5 @@ def test_a_refused_report_is_not_answered() -> None:
 
 
 def test_an_empty_table_from_lua_reads_as_no_hashes() -> None:
-    msg = protocol.decode_message(b'{"pv":3,"op":"decide","i":"x.1","f":{"ks":"none","b":0,"h":{}}}')
+    msg = protocol.decode_message(b'{"pv":4,"op":"decide","i":"x.1","f":{"ks":"none","b":0,"h":{}}}')
     assert isinstance(msg, Decide) and msg.features.hashes == ()

@@ -201,15 +201,15 @@ def test_hostile_bytes_on_the_socket_get_an_error_and_the_sidecar_lives(stack: S
     sim = start_backends(stack, 2)
     sc = start_sidecar(stack, "a", None, sim, 2)
     lines = [
-        b'{"pv":3,"op":"decide","i":"a","f":{"m":"sim-model","k":"h:\xed\xa0\x80","ks":"header","b":1}}',
-        b'{"pv":3,"op":"decide","i":"a","f":{"m":"sim-model","k":"h:\\ud800","ks":"header","b":1}}',
-        b'{"pv":3,"op":"decide","i":"a","f":{"m":"sim-\xff","k":"h:x","ks":"header","b":1}}',
-        b'{"pv":3,"op":"decide","i":"a","f":{"m":"sim-model","k":"u:x","ks":"user","b":Infinity}}',
-        b'{"pv":3,"op":"report","o":[{"k":"end","i":Infinity,"b":"sim-0","s":200}]}',
-        b'{"pv":3,"op":"decide","i":"a","f":{"m":"sim-model","h":[{"x":1}],"b":1}}',
+        b'{"pv":4,"op":"decide","i":"a","f":{"m":"sim-model","k":"h:\xed\xa0\x80","ks":"header","b":1}}',
+        b'{"pv":4,"op":"decide","i":"a","f":{"m":"sim-model","k":"h:\\ud800","ks":"header","b":1}}',
+        b'{"pv":4,"op":"decide","i":"a","f":{"m":"sim-\xff","k":"h:x","ks":"header","b":1}}',
+        b'{"pv":4,"op":"decide","i":"a","f":{"m":"sim-model","k":"u:x","ks":"user","b":Infinity}}',
+        b'{"pv":4,"op":"report","o":[{"k":"end","i":Infinity,"b":"sim-0","s":200}]}',
+        b'{"pv":4,"op":"decide","i":"a","f":{"m":"sim-model","h":[{"x":1}],"b":1}}',
         b'{"op":"decide","i":"a","f":{"m":"sim-model","b":1}}',
     ]
-    assert protocol.VERSION == 3  # the lines above speak version 3
+    assert protocol.VERSION == 4  # the lines above speak version 4
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(5)
         s.connect(str(sc.socket))
@@ -221,7 +221,7 @@ def test_hostile_bytes_on_the_socket_get_an_error_and_the_sidecar_lives(stack: S
                 continue
             reply = json.loads(f.readline())
             assert reply["e"] in ("bad_request", "protocol_version"), (line, reply)
-        f.write(b'{"pv":3,"op":"peers"}\n')
+        f.write(b'{"pv":4,"op":"peers"}\n')
         f.flush()
         assert len(json.loads(f.readline())["peers"]) == 2
     c = sc.client()

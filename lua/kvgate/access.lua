@@ -2,6 +2,7 @@
 -- of it, compute the request's features, ask the sidecar for a decision (or fall open), and leave the
 -- candidates in ngx.ctx for the balancer.
 
+local agreement = require "kvgate.agreement"
 local auth     = require "kvgate.auth"
 local cjson    = require "cjson.safe"
 local conf     = require "kvgate.conf"
@@ -203,6 +204,11 @@ end
 function _M.run()
     if conf.edge_access ~= "" then
         require(conf.edge_access).access()   -- the edge's own checks first; it may end the request
+    end
+    if agreement.refuses() then
+        return errors.send(503, "The gateway is misconfigured: its Nginx and its routing sidecar run "
+                           .. "different API key or rate limit settings. Requests are refused until "
+                           .. "they agree.")
     end
     if not ngx_var.http_host then
         return errors.send(400, "The request has no Host header.")

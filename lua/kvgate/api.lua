@@ -1,6 +1,7 @@
 -- Routes Nginx answers itself: /v1/models (from the sidecar, or the last answer while it is away)
 -- and /kvgate/health.
 
+local agreement = require "kvgate.agreement"
 local cjson    = require "cjson.safe"
 local conf     = require "kvgate.conf"
 local errors   = require "kvgate.errors"
@@ -86,14 +87,22 @@ function _M.health()
     -- ok: every backend the sidecar knows takes traffic; degraded: some are excluded (failed health
     -- or scrape, ejected, draining) or the sidecar stopped answering (Nginx routes on its own over the
     -- last list); down: no backend to send a request to.
+    -- Config: "mismatch" (this Nginx was rendered from other settings than the sidecar runs) is
+    -- degraded; "unsafe" (they differ on auth or rate limits: every request is refused) is down, and
+    -- answered 503, so a liveness probe restarts a container that rendered a stale config.
+    local config = agreement.state()
     local status = "ok"
-    if #peers == 0 then
+    if #peers == 0 or config == "unsafe" then
         status = "down"
-    elseif not fresh or (known or 0) > #peers then
+    elseif not fresh or (known or 0) > #peers or config == "mismatch" then
         status = "degraded"
     end
+    if config == "unsafe" then
+        ngx.status = 503
+    end
     return send_json(cjson.encode({ status = status, eligible_backends = #peers, known_backends = known or 0,
-                                    sidecar = fresh and "ok" or "unreachable",
+                                    sidecar = fresh and "ok" or "unreachable", config = config,
+                                    config_fingerprint = conf.fingerprint,
                                     fail_open_peers = #peers, peers_version = version,
                                     dropped_reports = reports.dropped(),
                                     master_pid = process.get_master_pid() }))

@@ -32,6 +32,9 @@ local _M = {
     -- Drop-in: a Lua module of the edge whose access() runs first on kvgate's routes (a location's
     -- access_by_lua replaces the server's, so the edge's own Lua checks are chained here).
     edge_access = "",
+    -- Of the settings kvgate render-nginx took from the config (sidecar/kvgate/agreement.py): sent to
+    -- the sidecar, which says whether it runs the same config.
+    fingerprint = "",
 }
 
 -- Refuses unknown keys and values of the wrong type: a typo in nginx.conf fails at startup.

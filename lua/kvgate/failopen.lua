@@ -2,10 +2,11 @@
 -- healthy peers the sidecar gave it. One worker refreshes the list every second into the shared dict
 -- (peers:list, peers:version, under a dict:add lock); each worker decodes it once per version.
 
-local cjson    = require "cjson.safe"
-local conf     = require "kvgate.conf"
-local protocol = require "kvgate.protocol"
-local sidecar  = require "kvgate.sidecar"
+local agreement = require "kvgate.agreement"
+local cjson     = require "cjson.safe"
+local conf      = require "kvgate.conf"
+local protocol  = require "kvgate.protocol"
+local sidecar   = require "kvgate.sidecar"
 
 local ngx       = ngx
 local ngx_log   = ngx.log
@@ -84,6 +85,7 @@ local function refresh(premature)
         dict:delete("peers:fresh")
         return
     end
+    agreement.observe(reply)
     -- For /kvgate/health: how many backends the sidecar knows, and that it answered lately.
     dict:set("peers:known", known)
     dict:set("peers:fresh", true, REFRESH_S * 3)

@@ -10,7 +10,7 @@ local ngx_now  = ngx.now
 local type     = type
 local tostring = tostring
 
-local VERSION = 3
+local VERSION = 4
 local MISMATCH_LOG_EVERY_S = 10   -- loud, but not once per request
 
 local _M = { VERSION = VERSION }
@@ -35,8 +35,9 @@ function _M.report(outcomes)
     return { pv = VERSION, op = "report", o = outcomes }
 end
 
-function _M.peers()
-    return { pv = VERSION, op = "peers" }
+-- fp: the fingerprint of the settings this Nginx was rendered with (conf.fingerprint).
+function _M.peers(fp)
+    return { pv = VERSION, op = "peers", fp = fp ~= "" and fp or nil }
 end
 
 function _M.models()

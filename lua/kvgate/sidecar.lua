@@ -95,7 +95,7 @@ function _M.decide(id, features)
 end
 
 function _M.peers()
-    return call(protocol.peers(), true, conf.report_timeout_ms)
+    return call(protocol.peers(conf.fingerprint), true, conf.report_timeout_ms)
 end
 
 function _M.models()

@@ -158,7 +158,7 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
         await membership.replace(fresh.backends)
         logger.warning("reloaded %d backend(s) from %s", len(fresh.backends), config_path)
 
-    api = HttpApi(config, registry, membership, service, metrics, reload)
+    api = HttpApi(config, registry, membership, service, metrics, reload, core.agreement)
     api.routes(app)
     app[RELOAD] = reload
     app[METRICS_APP] = web.Application()
@@ -210,7 +210,7 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
         await session.close()
 
     async def socket_ctx(app: web.Application) -> AsyncIterator[None]:
-        server = DecisionServer(service, registry)
+        server = DecisionServer(service, registry, core.agreement)
         Path(config.listen.socket).parent.mkdir(parents=True, exist_ok=True)
         await server.start(config.listen.socket, config.listen.socket_group)
         yield

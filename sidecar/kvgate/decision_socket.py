@@ -15,6 +15,7 @@ import os
 import time
 
 from kvgate import protocol
+from kvgate.agreement import Agreement
 from kvgate.protocol import (
     Decide,
     DecisionReply,
@@ -46,9 +47,10 @@ VERSION_LOG_EVERY_S = 10.0  # a version mismatch is logged loudly, but not once 
 
 
 class DecisionServer:
-    def __init__(self, service: DecisionService, registry: Registry) -> None:
+    def __init__(self, service: DecisionService, registry: Registry, agreement: Agreement) -> None:
         self.service = service
         self.registry = registry
+        self.agreement = agreement
         self.server: asyncio.Server | None = None
         self._version_logged = 0.0
 
@@ -89,8 +91,11 @@ class DecisionServer:
             self.service.report(msg.outcomes)
             return None
         if isinstance(msg, PeersQuery):
+            agreed = self.agreement.observe(msg.fingerprint)
+            self.service.metrics.config_mismatch.set(0.0 if agreed else 1.0)
             version, peers = self.registry.peers()
-            return PeersReply(version, peers, len(self.registry.backends))
+            a = self.agreement
+            return PeersReply(version, peers, len(self.registry.backends), a.fingerprint, a.auth, a.limits)
         if isinstance(msg, KeysQuery):
             return self.service.keys()
         assert isinstance(msg, ModelsQuery)

@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgate import features as feats
+from kvgate.agreement import Agreement
 from kvgate.config import BackendSpec, Config, ConfigError
 from kvgate.membership import Membership
 from kvgate.metrics import SidecarMetrics
@@ -56,7 +57,9 @@ class HttpApi:
         service: DecisionService,
         metrics: SidecarMetrics,
         reload: Callable[[], Awaitable[None]],
+        agreement: Agreement,
     ) -> None:
+        self.agreement = agreement
         self.config = config
         self.registry = registry
         self.membership = membership
@@ -104,9 +107,13 @@ class HttpApi:
 
     async def healthz(self, request: web.Request) -> web.Response:
         eligible = sum(1 for s in self.registry.backends.values() if s.eligible)
+        config = self.agreement.state()
         body = {
-            "status": "ok" if eligible else "degraded",
+            "status": "ok" if eligible and config != "mismatch" else "degraded",
             "eligible_backends": eligible,
+            # Whether the Nginx in front was rendered from this config (unknown: none asked lately).
+            "config": config,
+            "config_fingerprint": self.agreement.fingerprint,
             "redis": "ok" if self.service.sessions.redis_ok else "down",
             "pid": os.getpid(),  # lets a launcher tell its own sidecar from a foreign one on the port
         }

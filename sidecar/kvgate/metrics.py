@@ -64,6 +64,11 @@ class SidecarMetrics:
         self.scrape_errors = Counter(
             "kvgate_scrape_errors", "Failed scrapes or health checks.", ["backend"], registry=r
         )
+        self.config_mismatch = Gauge(
+            "kvgate_config_mismatch",
+            "1 while a gateway's Nginx runs settings rendered from another config than this sidecar's.",
+            registry=r,
+        )
         self.health_kept = Counter(
             "kvgate_health_kept",
             "Health checks that timed out while the backend stayed in: it had served within "

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvgate.agreement import fingerprint, gateway_settings
 from kvgate.config import Config
 from kvgate.config.gateway import RETRY_STATUSES
 
@@ -63,29 +64,20 @@ class NginxSettings:
     edge_lua: bool = False
     edge_access: str = ""  # the edge's Lua module whose access() runs first on kvgate's routes
 
+    # Of the settings above taken from the config (kvgate.agreement): Nginx sends it to the sidecar,
+    # which says whether it runs the same config.
+    fingerprint: str = ""
+
     @classmethod
     def from_config(cls, config: Config, **overrides: Any) -> NginxSettings:
         """The settings a kvgate config asks for (its gateway section, the socket, the session header)."""
-        g = config.gateway
-        values: dict[str, Any] = {
-            "socket": config.listen.socket,
-            "session_header": config.routing.session_header,
-            "max_tries": config.routing.max_candidates,
-            "retry_statuses": g.retry_statuses,
-            "route_headers": g.route_headers,
-            "decision_timeout_ms": g.decision_timeout_ms,
-            "first_byte_timeout_ms": g.first_byte_timeout_ms,
-            "token_timeout_ms": g.token_timeout_ms,
-            "max_read_timeout_ms": g.max_read_timeout_ms,
-            "client_max_body_size": g.client_max_body_size,
-            "worker_user": g.worker_user,
-            "auth": config.auth.enabled,
-            "limits": config.limited,
-            "queue": config.queue.enabled,
-            "queue_heartbeat_ms": round(config.queue.heartbeat_s * 1000),
-            "edge_access": g.edge_access or "",
-        }
-        return cls(**{**values, **overrides})
+        taken = {**gateway_settings(config), **overrides}
+        # What this Nginx will run, overrides included: a setting changed here is a mismatch too.
+        runs = {k: taken[k] for k in gateway_settings(config)}
+        runs["retry_statuses"] = list(runs["retry_statuses"])
+        values = {"socket": config.listen.socket, **taken, "fingerprint": fingerprint(runs)}
+        values["retry_statuses"] = tuple(values["retry_statuses"])
+        return cls(**values)
 
 
 # Nginx's side settings, handed to lua/kvgate/conf.lua once per Nginx start.
@@ -105,6 +97,7 @@ CONFIGURE = """require("kvgate.gateway").configure({{
     queue = {queue},
     queue_heartbeat_ms = {queue_heartbeat_ms},
     edge_access = "{edge_access}",
+    fingerprint = "{fingerprint}",
 }})"""
 
 
@@ -178,7 +171,7 @@ def render(
         "upstream_authorization": 'proxy_set_header Authorization "";' if settings.auth else "",
         "load_modules": "",
     }
-    configure = CONFIGURE.format(**values, edge_access=settings.edge_access)
+    configure = CONFIGURE.format(**values, edge_access=settings.edge_access, fingerprint=settings.fingerprint)
     lua_path = f'"{settings.lua_dir}/?.lua;;"'
     if settings.edge_lua:
         values["lua_package_path"] = (

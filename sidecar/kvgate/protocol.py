@@ -8,26 +8,27 @@ both sides log it loudly, so a Lua and a sidecar from different releases never m
 Lua -> sidecar (decide, peers and models are answered with one line; report is not, so the log phase
 never waits)::
 
-    {"pv":3,"op":"decide","i":id,"f":{"m":model,"k":key,"ks":key source,"h":[chunk hash,...],"b":bytes,
+    {"pv":4,"op":"decide","i":id,"f":{"m":model,"k":key,"ks":key source,"h":[chunk hash,...],"b":bytes,
                                       "ck":API key name,"ca":client address,"mt":max tokens,
                                       "pr":priority the client asked for}}
-    {"pv":3,"op":"report","o":[outcome,...]}
-    {"pv":3,"op":"peers"}
-    {"pv":3,"op":"models"}
-    {"pv":3,"op":"keys"}
+    {"pv":4,"op":"report","o":[outcome,...]}
+    {"pv":4,"op":"peers","fp":the fingerprint of the settings Nginx was rendered with (agreement.py)}
+    {"pv":4,"op":"models"}
+    {"pv":4,"op":"keys"}
 
 sidecar -> Lua::
 
-    {"pv":3,"i":id,"c":[[backend id,"host:port"],...],"r":route label,
+    {"pv":4,"i":id,"c":[[backend id,"host:port"],...],"r":route label,
      "pr":priority to write into the body (forwarded to vLLM),
      "pc":[[backend id,"host:port"],...] prefill candidates (disaggregated: c then decodes),
      "fb":[ms,...] each candidate's first-byte timeout (kvgate.first_byte)}   a decision
-    {"pv":3,"i":id,"q":1}   the request waits in the gateway queue: the same connection carries this
+    {"pv":4,"i":id,"q":1}   the request waits in the gateway queue: the same connection carries this
                             line again every heartbeat, then the decision or an error
-    {"pv":3,"e":error code,"msg":text,"ra":retry after s}                an error
-    {"pv":3,"v":peers version,"peers":[{"id":backend id,"addr":"host:port"},...],"n":backends known}
-    {"pv":3,"data":[model card,...]}
-    {"pv":3,"v":keys version,"keys":{sha256 hex:key name,...}}
+    {"pv":4,"e":error code,"msg":text,"ra":retry after s}                an error
+    {"pv":4,"v":peers version,"peers":[{"id":backend id,"addr":"host:port"},...],"n":backends known,
+     "fp":the sidecar's settings fingerprint,"au":auth on,"li":rate limits on}
+    {"pv":4,"data":[model card,...]}
+    {"pv":4,"v":keys version,"keys":{sha256 hex:key name,...}}
 
 Nginx names each decision (``i``, unique per gateway) before asking, so it can end a decision it will
 not use (a late answer, fail-open, a client gone before dispatch) without having heard the answer.
@@ -55,7 +56,7 @@ from typing import Any, NamedTuple
 
 from kvgate.features import Features
 
-VERSION = 3
+VERSION = 4
 MAX_ID = 64  # decision ids are Nginx's: worker, start time and a counter
 
 
@@ -163,7 +164,7 @@ class Report:
 
 @dataclass(frozen=True, slots=True)
 class PeersQuery:
-    pass
+    fingerprint: str | None = None  # of the settings Nginx was rendered with (kvgate.agreement)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +210,9 @@ class PeersReply:
     version: int
     peers: tuple[Candidate, ...]
     known: int = 0  # backends the sidecar knows, eligible or not: fewer peers means a degraded fleet
+    fingerprint: str = ""  # of the settings the sidecar runs (kvgate.agreement)
+    auth: bool = False  # the sidecar's auth and rate limits: where Nginx's differ, it fails closed
+    limits: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +347,8 @@ def decode_message(line: bytes) -> Message:
     except (ValueError, TypeError, OverflowError) as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"malformed {op}: {exc}", op) from None
     if op == "peers":
-        return PeersQuery()
+        fp = msg.get("fp")
+        return PeersQuery(fp if isinstance(fp, str) and 0 < len(fp) <= 64 else None)
     if op == "models":
         return ModelsQuery()
     if op == "keys":
@@ -409,7 +414,10 @@ def encode_message(msg: Message) -> dict[str, Any]:
     if isinstance(msg, Report):
         return {"pv": VERSION, "op": "report", "o": [encode_outcome(o) for o in msg.outcomes]}
     if isinstance(msg, PeersQuery):
-        return {"pv": VERSION, "op": "peers"}
+        out: dict[str, Any] = {"pv": VERSION, "op": "peers"}
+        if msg.fingerprint is not None:
+            out["fp"] = msg.fingerprint
+        return out
     if isinstance(msg, KeysQuery):
         return {"pv": VERSION, "op": "keys"}
     return {"pv": VERSION, "op": "models"}
@@ -445,6 +453,9 @@ def encode_reply(reply: Reply) -> dict[str, Any]:
             "v": reply.version,
             "peers": [{"id": p.id, "addr": p.address} for p in reply.peers],
             "n": reply.known,
+            "fp": reply.fingerprint,
+            "au": reply.auth,
+            "li": reply.limits,
         }
     return {"pv": VERSION, "data": [dict(c) for c in reply.cards]}
 
@@ -472,7 +483,12 @@ def decode_reply(d: Mapping[str, Any]) -> Reply:
         )
     if "peers" in d:
         return PeersReply(
-            int(d["v"]), tuple(Candidate(p["id"], p["addr"]) for p in d["peers"]), int(d.get("n", 0))
+            int(d["v"]),
+            tuple(Candidate(p["id"], p["addr"]) for p in d["peers"]),
+            int(d.get("n", 0)),
+            str(d.get("fp", "")),
+            bool(d.get("au")),
+            bool(d.get("li")),
         )
     return ModelsReply(tuple(d["data"]))
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from kvgate.agreement import Agreement
 from kvgate.config import Config
 from kvgate.limits import RateLimiter
 from kvgate.metrics import SidecarMetrics
@@ -29,6 +30,7 @@ class Sidecar:
     sessions: SessionStore
     index: PrefixIndex
     service: DecisionService
+    agreement: Agreement  # whether the Nginx in front runs this config too
 
 
 def build_sidecar(config: Config, redis: aioredis.Redis | None) -> Sidecar:
@@ -40,4 +42,4 @@ def build_sidecar(config: Config, redis: aioredis.Redis | None) -> Sidecar:
     index = PrefixIndex(config.routing.prefix_index_blocks)
     limiter = RateLimiter(config.limits, config.auth, redis, config.redis.prefix) if config.limited else None
     service = DecisionService(config, registry, sessions, index, metrics, limiter)
-    return Sidecar(config, metrics, registry, sessions, index, service)
+    return Sidecar(config, metrics, registry, sessions, index, service, Agreement(config))

@@ -68,7 +68,7 @@ local function run_protocol()
         end
         out.report[i] = protocol.report(items)
     end
-    out.peers = protocol.peers()
+    out.peers = protocol.peers(g.peers.fingerprint)
     out.models = protocol.models()
     out.keys = protocol.keys()
     for i, case in ipairs(g.replies) do
@@ -103,7 +103,8 @@ local function run_protocol()
             for j, p in ipairs(peers) do
                 list[j] = { p.id, p.addr }
             end
-            meaning = { kind = "peers", version = version, peers = list, n = #list, known = known }
+            meaning = { kind = "peers", version = version, peers = list, n = #list, known = known,
+                        fingerprint = reply.fp, auth = reply.au, limits = reply.li }
         else
             meaning = { kind = "models", cards = protocol.model_list(reply) }
         end

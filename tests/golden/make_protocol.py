@@ -55,6 +55,7 @@ OUTCOMES = [
     (Outcome.end("1a2b.5f3c.12", "sim-1", 200, True, None, 0.5, response_id="resp_0f1e2d"),),
     (Outcome.drop("1a2b.5f3c.8"),),
 ]
+FINGERPRINT = "1f2e3d4c5b6a7980"  # of the settings an Nginx was rendered with
 REPLIES = [
     DecisionReply(
         "1a2b.5f3c.42",
@@ -84,7 +85,14 @@ REPLIES = [
     ErrorReply(ErrorCode.PROTOCOL_VERSION, "protocol version mismatch"),
     ErrorReply(ErrorCode.RATE_LIMITED, "Rate limit reached; retry later.", 42),
     KeysReply(7, {"a" * 64: "team-a"}),
-    PeersReply(3, (Candidate("sim-0", "127.0.0.1:8001"), Candidate("sim-1", "127.0.0.1:8002")), 3),
+    PeersReply(
+        3,
+        (Candidate("sim-0", "127.0.0.1:8001"), Candidate("sim-1", "127.0.0.1:8002")),
+        3,
+        "ee2990f8fe5be382",
+        True,
+        False,
+    ),
     ModelsReply(({"id": "m", "object": "model", "created": 0, "owned_by": "vllm"},)),
 ]
 
@@ -137,7 +145,15 @@ def reply(r: object) -> dict[str, object]:
     if isinstance(r, KeysReply):
         return {"kind": "keys", "version": r.version, "keys": dict(r.keys)}
     if isinstance(r, PeersReply):
-        return {"kind": "peers", "version": r.version, "peers": [list(p) for p in r.peers], "known": r.known}
+        return {
+            "kind": "peers",
+            "version": r.version,
+            "peers": [list(p) for p in r.peers],
+            "known": r.known,
+            "fingerprint": r.fingerprint,
+            "auth": r.auth,
+            "limits": r.limits,
+        }
     assert isinstance(r, ModelsReply)
     return {"kind": "models", "cards": [dict(c) for c in r.cards]}
 
@@ -157,7 +173,10 @@ def main() -> None:
             {"outcomes": [outcome(o) for o in batch], "wire": protocol.encode_message(Report(batch))}
             for batch in OUTCOMES
         ],
-        "peers": {"wire": protocol.encode_message(PeersQuery())},
+        "peers": {
+            "fingerprint": FINGERPRINT,
+            "wire": protocol.encode_message(PeersQuery(FINGERPRINT)),
+        },
         "models": {"wire": protocol.encode_message(ModelsQuery())},
         "keys": {"wire": protocol.encode_message(KeysQuery())},
         "replies": [{"meaning": reply(r), "wire": protocol.encode_reply(r)} for r in REPLIES],
