@@ -60,7 +60,7 @@ $(VLLM_MODEL)/MANIFEST: vllm_real/model.py $(VLLM_VENV)/.installed
 
 # The end-to-end suite against real vLLM servers (tests/real; run by CI after `make test`).
 test-real: setup real-vllm
-	$(PY) -m pytest -m real tests/real
+	$(PY) -m pytest -m real -rP tests/real
 
 clean:
 	rm -rf .run .setup-apt.stamp $(VENV) *.egg-info

@@ -146,3 +146,14 @@ def test_unknown_v1_routes_reach_a_backend(env: Env) -> None:
     assert r.json() == {"detail": "Not Found"}
     with pytest.raises(openai.NotFoundError):
         client(env.gw.url).models.retrieve("no-such-model")
+
+
+def test_the_gateways_model_list_carries_the_backends_own_cards(env: Env) -> None:
+    """/v1/models through the gateway: each model's card as a backend gave it (vLLM's has root,
+    max_model_len and created, which clients read), not a card of the gateway's making."""
+    status, through = http_json("GET", env.gw.url + "/v1/models")
+    direct = http_json("GET", f"http://127.0.0.1:{env.sim_port}/v1/models")[1]
+    assert status == 200 and [m["id"] for m in through["data"]] == [MODEL]
+    card, own = through["data"][0], direct["data"][0]
+    for field in ("id", "object", "owned_by", "root", "max_model_len", "created"):
+        assert card[field] == own[field], field

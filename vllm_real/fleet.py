@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import random
 import signal
+import socket
 import sys
 import time
 import urllib.error
@@ -84,6 +86,27 @@ class ServerSpec:
         return out + list(self.extra)
 
 
+def service_port() -> int:
+    """A free port below the kernel's ephemeral range. A server binds its ports a minute after they
+    were chosen (its side channel later still), and meanwhile every process that binds port 0 (vLLM's
+    own internal sockets among them) draws from the ephemeral range: a port chosen there can be gone
+    by then, and a NIXL handshake once timed out talking to the wrong listener."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        port = rng.randrange(10_000, max(10_001, low - 1))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
+
+
 def server_env(nixl_port: int | None = None) -> dict[str, str]:
     env = {
         "VLLM_TARGET_DEVICE": "cpu",
@@ -95,6 +118,8 @@ def server_env(nixl_port: int | None = None) -> dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        # vLLM keeps /v1/responses (for previous_response_id) only when asked to: off by default.
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
     }
     if nixl_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(nixl_port)
@@ -121,6 +146,7 @@ class Fleet:
     sup: Supervisor
     urls: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+    commands: list[tuple[list[str], dict[str, str]]] = field(default_factory=list)  # argv, env
 
     def start(self, specs: Sequence[ServerSpec], prefix: str = "vllm") -> list[str]:
         """Start one server per spec, all at once (each compiles and loads in parallel), and wait
@@ -128,20 +154,30 @@ class Fleet:
         check_installed()
         started = []
         for spec in specs:
-            port = free_port()
+            port = service_port()
             name = f"{prefix}-{len(self.names)}"
-            nixl = free_port() if spec.kv_role is not None else None
-            proc = self.sup.spawn(name, spec.argv(port), server_env(nixl))
+            nixl = service_port() if spec.kv_role is not None else None
+            argv, env = spec.argv(port), server_env(nixl)
+            proc = self.sup.spawn(name, argv, env)
             url = f"http://127.0.0.1:{port}"
             started.append((proc, url))
             self.urls.append(url)
             self.names.append(name)
+            self.commands.append((argv, env))
         for proc, url in started:
             wait_ready(proc, f"vLLM at {url} is healthy", functools.partial(healthy, url), START_TIMEOUT_S)
         return [url for _, url in started]
 
     def stop(self, i: int) -> None:
+        """Kill server ``i`` (SIGKILL to its process group: API server, engine and worker)."""
         self.sup.kill(self.names[i])
+
+    def restart(self, i: int) -> None:
+        """Start server ``i`` again, on its port with its options, and wait until it is healthy."""
+        argv, env = self.commands[i]
+        proc = self.sup.spawn(self.names[i], argv, env)
+        url = self.urls[i]
+        wait_ready(proc, f"vLLM at {url} is healthy", functools.partial(healthy, url), START_TIMEOUT_S)
 
 
 def _interrupt(signum: int, frame: object) -> None:

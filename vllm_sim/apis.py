@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_sim import tokenizer
-from vllm_sim.protocol import ApiError
+from vllm_sim.protocol import ApiError, check_model
 
 EMBEDDING_DIM = 16
 STORED_RESPONSES = 10_000  # vLLM keeps every stored response in memory; the simulator bounds it
@@ -29,8 +29,7 @@ STORED_RESPONSES = 10_000  # vLLM keeps every stored response in memory; the sim
 
 def _model(body: Mapping[str, Any], served: str) -> str:
     model = body.get("model") or served
-    if model != served:
-        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+    check_model(model, served)
     return str(model)
 
 

@@ -46,6 +46,12 @@ class ApiError(Exception):
         }
 
 
+def check_model(model: object, served: str) -> None:
+    """vLLM's answer to a model it does not serve (0.32: it names the models it does)."""
+    if model != served:
+        raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {served}.", "model")
+
+
 @dataclass(frozen=True, slots=True)
 class Parsed:
     kind: str  # "chat" | "completion"
@@ -127,8 +133,7 @@ def parse_request(
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     model = body.get("model") or served_model
-    if model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+    check_model(model, served_model)
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

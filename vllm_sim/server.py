@@ -458,8 +458,7 @@ class Instance:
         model = form.get("model") or self.config.model
         if not isinstance(model, str):
             raise protocol.ApiError(400, "model must be a form field, not a file", "model")
-        if model != self.config.model:
-            raise protocol.ApiError(404, f"The model `{model}` does not exist.", "model")
+        protocol.check_model(model, self.config.model)
         prompt_ids = tokenizer.encode(" ".join(f"a{i}" for i in range(max(1, size // 100))))
         _, words, _ = await self._run(prompt_ids, 16, "trsc-" + uuid.uuid4().hex)
         return _json({"text": tokenizer.decode_words(words)})

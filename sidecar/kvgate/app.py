@@ -98,7 +98,8 @@ async def _scrape_round(
             tokens.counted(bid, scraped.prompt_tokens, registry.replicas)
         if want_models:
             try:
-                registry.set_models(bid, await served_models(session, url, sc.timeout_s))
+                cards = await served_models(session, url, sc.timeout_s)
+                registry.set_models(bid, frozenset(cards), cards)
             except LoadUnknown as exc:  # tried again next round; until then it serves what it served
                 registry.note_error(bid, str(exc))
 

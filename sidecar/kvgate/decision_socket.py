@@ -73,7 +73,7 @@ class DecisionServer:
             try:
                 routed = await self.service.decide(msg.features, msg.decision_id)
             except UnknownModel as exc:
-                return ErrorReply(ErrorCode.UNKNOWN_MODEL, f"The model `{exc}` does not exist.")
+                return ErrorReply(ErrorCode.UNKNOWN_MODEL, str(exc))
             except RateLimited as exc:
                 return ErrorReply(
                     ErrorCode.RATE_LIMITED, "Rate limit reached; retry later.", int(exc.retry_after)

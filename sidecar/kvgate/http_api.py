@@ -158,7 +158,7 @@ class HttpApi:
         try:
             routed = await self.service.explain(f)
         except UnknownModel as exc:
-            return _error(404, f"The model `{exc}` does not exist.", "NotFoundError")
+            return _error(404, str(exc), "NotFoundError")
         d = routed.decision
         estimate = self.service.calibrated(f)
         rule = self.config.pools.pick(f.model, estimate.est_tokens)

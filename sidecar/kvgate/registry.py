@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -39,6 +39,7 @@ class BackendState:
     fails: int = 0
     oks: int = 0
     models: frozenset[str] = frozenset()
+    cards: Mapping[str, Mapping[str, object]] = field(default_factory=dict)  # its /v1/models, by id
     scraped: Scraped | None = None
     last_error: str | None = None
     ttft_ewma: float | None = None
@@ -295,13 +296,29 @@ class Registry:
         return sorted({m for s in self.backends.values() if s.eligible for m in s.models})
 
     def model_cards(self) -> list[dict[str, object]]:
-        """``/v1/models`` entries for the models eligible backends serve."""
-        return [{"id": m, "object": "model", "created": 0, "owned_by": "vllm"} for m in self.models()]
+        """``/v1/models`` entries for the models eligible backends serve: the card a backend gave
+        (the first by id that gave one: vLLM's has ``root``, ``max_model_len``, ``created``), else
+        a minimal one."""
+        eligible = sorted((s for s in self.backends.values() if s.eligible), key=lambda s: s.spec.id)
+        out = []
+        for m in self.models():
+            card = next((s.cards[m] for s in eligible if m in s.cards), None)
+            out.append(
+                dict(card)
+                if card is not None
+                else {"id": m, "object": "model", "created": 0, "owned_by": "vllm"}
+            )
+        return out
 
-    def set_models(self, bid: str, models: frozenset[str]) -> None:
-        """The models a backend serves, from its /v1/models."""
+    def set_models(
+        self, bid: str, models: frozenset[str], cards: Mapping[str, Mapping[str, object]] | None = None
+    ) -> None:
+        """The models a backend serves, from its /v1/models (with the cards it gave)."""
         s = self.backends.get(bid)
-        if s is not None and s.models != models:
+        if s is None:
+            return
+        s.cards = cards or {}
+        if s.models != models:
             s.models = models
             self.changed()
 

@@ -17,6 +17,7 @@ import asyncio
 import math
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 
@@ -245,7 +246,11 @@ async def scrape(
         raise LoadUnknown(str(exc)) from None
 
 
-async def served_models(session: aiohttp.ClientSession, url: str, timeout_s: float) -> frozenset[str]:
+async def served_models(
+    session: aiohttp.ClientSession, url: str, timeout_s: float
+) -> dict[str, Mapping[str, Any]]:
+    """The backend's ``/v1/models``: each model's card as it gave it (vLLM's carries ``root``,
+    ``max_model_len``, ``created``, which clients read), by id."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with session.get(url + "/v1/models", timeout=timeout) as resp:
@@ -255,6 +260,6 @@ async def served_models(session: aiohttp.ClientSession, url: str, timeout_s: flo
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise LoadUnknown(f"/v1/models failed: {exc!r}") from None
     try:
-        return frozenset(str(card["id"]) for card in data["data"])
+        return {str(card["id"]): card for card in data["data"] if isinstance(card, Mapping)}
     except (KeyError, TypeError) as exc:
         raise LoadUnknown(f"/v1/models has no data[].id: {exc}") from None

@@ -38,7 +38,10 @@ RECENT_DECISIONS = 256  # kept for GET /debug/decisions
 
 
 class UnknownModel(Exception):
-    pass
+    """No backend serves the model; the message is vLLM's own (0.32 names the models it serves)."""
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        super().__init__(f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.")
 
 
 class RateLimited(Exception):
@@ -146,7 +149,7 @@ class DecisionService:
         t0 = time.perf_counter()
         if f.model is not None and self.registry.serves(f.model) is False:
             self.metrics.unknown_model.inc()
-            raise UnknownModel(f.model)
+            raise UnknownModel(f.model, self.registry.models())
         seq = next(self._seq)
         did = decision_id if decision_id is not None else f"s{seq}"
         f = self.calibrated(f)

@@ -1,0 +1,99 @@
+"""Does kvgate keep a conversation where vLLM's own prefix cache holds it? Measured with vLLM's own
+counters (``vllm:prefix_cache_hits_total`` deltas over the fleet), on the same fleet as round robin."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+
+from tests.real.conftest import MODEL, Gateway, RealFleet, Tokens
+
+pytestmark = pytest.mark.real
+
+
+def conversation(
+    gw: Gateway,
+    fleet: RealFleet,
+    tokens: Tokens,
+    seed: int,
+    turns: int = 10,
+    headers: Mapping[str, str] | None = None,
+    system: str | None = None,
+) -> tuple[float, list[str]]:
+    """A chat of ``turns`` turns through ``gw``: each turn resends the history. Returns the share of
+    the prompt tokens after turn 1 that vLLM served from its prefix cache, and the backend of each
+    turn."""
+    messages = [{"role": "system", "content": system or tokens.text(3000, seed)}]
+    prompt_after_first, hits_after_first, served = 0, 0.0, []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": tokens.text(100, seed * 100 + turn)})
+        before = fleet.hits()
+        status, resp_headers, body = gw.chat(
+            {"model": MODEL, "messages": messages, "max_tokens": 16, "ignore_eos": True, "temperature": 0},
+            headers,
+        )
+        assert status == 200, body
+        served.append(resp_headers["X-Kvgate-Backend"])
+        if turn > 0:
+            prompt_after_first += body["usage"]["prompt_tokens"]
+            hits_after_first += fleet.hits() - before
+        messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    return hits_after_first / prompt_after_first, served
+
+
+def test_a_conversation_is_served_from_vllms_prefix_cache_through_kvgate(
+    fleet: RealFleet, kvgate: Gateway, round_robin: Gateway, tokens: Tokens
+) -> None:
+    """Ten turns with a session id: at least 90 % of the prompt tokens after turn 1 come from vLLM's
+    prefix cache (all on one backend), more than round robin gets on the same fleet."""
+    share, served = conversation(kvgate, fleet, tokens, 11, headers={"X-Session-ID": "real-conv-11"})
+    rr_share, rr_served = conversation(
+        round_robin, fleet, tokens, 12, headers={"X-Session-ID": "real-conv-12"}
+    )
+    print(f"prefix-cache share after turn 1: kvgate {share:.3f}, round robin {rr_share:.3f}")
+    assert len(set(served)) == 1 and len(set(rr_served)) == 2
+    assert share >= 0.90 and share > rr_share, (share, rr_share)
+
+
+def test_prefix_routing_without_a_session_id_keeps_a_shared_system_prompt_conversation_together(
+    fleet: RealFleet, kvgate: Gateway, tokens: Tokens
+) -> None:
+    """No session header: two conversations share one long system prompt (the part every request
+    has, which is no signal) and each keeps its own history on one backend from the prompt alone."""
+    system = tokens.text(3000, 20)
+    for seed in (21, 22):
+        share, served = conversation(kvgate, fleet, tokens, seed, system=system)
+        assert share >= 0.90 and len(set(served)) == 1, (share, served)
+
+
+def test_eviction_is_survived_and_the_conversation_is_cached_again_where_it_is_routed(
+    fleet: RealFleet, kvgate: Gateway, tokens: Tokens
+) -> None:
+    """A conversation, then prompts from others beyond both caches (their 2 x 20,480 tokens): the
+    conversation's blocks are evicted. Its next turn still goes to its backend and is recomputed
+    there; the turn after is served from the cache again."""
+    headers = {"X-Session-ID": "real-evicted"}
+    messages = [{"role": "system", "content": tokens.text(3000, 30)}]
+
+    def turn(i: int) -> tuple[str, int, float]:
+        messages.append({"role": "user", "content": tokens.text(100, 3000 + i)})
+        before = fleet.hits()
+        status, h, body = kvgate.chat(
+            {"model": MODEL, "messages": messages, "max_tokens": 8, "ignore_eos": True, "temperature": 0},
+            headers,
+        )
+        assert status == 200, body
+        messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+        return h["X-Kvgate-Backend"], body["usage"]["prompt_tokens"], fleet.hits() - before
+
+    home, _, _ = turn(0)
+    assert turn(1)[0] == home
+    for i in range(6):  # 6 x 12k tokens of other prompts, spread over both servers
+        other = {"role": "user", "content": tokens.text(12_000, 4000 + i)}
+        status, _, body = kvgate.chat({"model": MODEL, "messages": [other], "max_tokens": 1})
+        assert status == 200, body
+    back, prompt, hits = turn(2)
+    assert back == home and hits < prompt * 0.5, (back, home, hits, prompt)  # evicted: recomputed
+    back, prompt, hits = turn(3)
+    assert back == home and hits >= prompt * 0.9, (hits, prompt)

@@ -1,0 +1,149 @@
+"""Failures on real vLLM: a client that leaves, a server killed mid-stream and restarted, requests
+vLLM refuses. What the client sees, what the engine does, and what kvgate counts after."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from tests.conftest import wait_until
+from tests.real.conftest import MODEL, Gateway, RealFleet, Tokens, get_text, post
+
+pytestmark = pytest.mark.real
+
+
+def open_stream(port: int, body: dict[str, object], session: str) -> tuple[socket.socket, bytes]:
+    """A stream through the gateway, read until its first events have arrived."""
+    raw = json.dumps({**body, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Session-ID: "
+        + session.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(raw)
+        + raw
+    )
+    buf = b""
+    while buf.count(b"data:") < 3:
+        chunk = s.recv(65536)
+        assert chunk, buf[:500]
+        buf += chunk
+    return s, buf
+
+
+def idle(gw: Gateway) -> bool:
+    return all(b["inflight"] == 0 and b["inflight_tokens"] == 0 for b in gw.backends().values())
+
+
+def test_a_client_that_leaves_mid_stream_ends_the_engines_request_within_a_second(
+    fleet: RealFleet, kvgate: Gateway, tokens: Tokens
+) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": tokens.text(200, 40)}],
+        "max_tokens": 5000,
+        "ignore_eos": True,
+    }
+    s, buf = open_stream(kvgate.port, body, "real-leaver")
+    backend = int(buf.split(b"X-Kvgate-Backend: vllm-", 1)[1][:1])
+    assert fleet.metric(backend, "vllm:num_requests_running") == 1
+    s.close()
+    left = time.monotonic()
+    wait_until(lambda: fleet.metric(backend, "vllm:num_requests_running") == 0, timeout=1.0, every=0.02)
+    print(f"engine request ended {time.monotonic() - left:.3f}s after the client left")
+    wait_until(lambda: idle(kvgate), timeout=2)
+
+
+def test_a_server_killed_mid_stream_gives_an_error_event_then_others_serve_and_it_is_readmitted(
+    fleet: RealFleet, kvgate: Gateway, tokens: Tokens
+) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": tokens.text(200, 41)}],
+        "max_tokens": 5000,
+        "ignore_eos": True,
+    }
+    s, buf = open_stream(kvgate.port, body, "real-victim")
+    victim = int(buf.split(b"X-Kvgate-Backend: vllm-", 1)[1][:1])
+    fleet.fleet.stop(victim)
+    try:
+        killed_mid_stream(fleet, kvgate, tokens, s, buf, victim)
+    finally:
+        if fleet.sup.procs.get(fleet.fleet.names[victim]) is None:
+            fleet.fleet.restart(victim)  # the next tests need the whole fleet
+    wait_until(lambda: kvgate.backends()[f"vllm-{victim}"]["state"] == "healthy", timeout=10)
+    served = {
+        kvgate.chat(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": tokens.text(100, 60 + i)}],
+                "max_tokens": 2,
+            }
+        )[1]["X-Kvgate-Backend"]
+        for i in range(12)
+    }
+    assert served == {"vllm-0", "vllm-1"}, served
+    wait_until(lambda: idle(kvgate), timeout=2)
+
+
+def killed_mid_stream(
+    fleet: RealFleet, kvgate: Gateway, tokens: Tokens, s: socket.socket, buf: bytes, victim: int
+) -> None:
+    """The client of the cut stream gets an error event; new requests go to the other server;
+    the victim is taken out; then it is started again (on its port, with its options)."""
+    with s:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    assert b"closed the stream before it finished" in buf and b"data: [DONE]" not in buf
+    other = f"vllm-{1 - victim}"
+    for i in range(4):
+        status, headers, reply = kvgate.chat(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": tokens.text(100, 50 + i)}],
+                "max_tokens": 4,
+            },
+            {"X-Session-ID": "real-victim"},
+        )
+        assert status == 200 and headers["X-Kvgate-Backend"] == other, (status, headers, reply)
+    wait_until(lambda: kvgate.backends()[f"vllm-{victim}"]["state"] != "healthy", timeout=5)
+    t0 = time.monotonic()
+    fleet.fleet.restart(victim)
+    print(f"vllm-{victim} restarted in {time.monotonic() - t0:.0f}s")
+    wait_until(lambda: kvgate.backends()[f"vllm-{victim}"]["state"] == "healthy", timeout=10)
+    served = {
+        kvgate.chat(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": tokens.text(100, 60 + i)}],
+                "max_tokens": 2,
+            }
+        )[1]["X-Kvgate-Backend"]
+        for i in range(12)
+    }
+    assert served == {"vllm-0", "vllm-1"}, served
+    wait_until(lambda: idle(kvgate), timeout=2)
+
+
+def test_requests_vllm_refuses_come_back_as_vllms_own_errors(
+    fleet: RealFleet, kvgate: Gateway, tokens: Tokens
+) -> None:
+    """A prompt over the model's length: vLLM's 400 BadRequestError passes through unchanged. An
+    unknown model: the gateway answers as vLLM does (404 NotFoundError, the same message)."""
+    too_long = {"model": MODEL, "messages": [{"role": "user", "content": tokens.text(17_000, 70)}]}
+    direct = post(fleet.urls[0] + "/v1/chat/completions", too_long)
+    through = kvgate.chat(too_long)
+    assert direct[0] == through[0] == 400
+    assert through[2]["error"]["type"] == direct[2]["error"]["type"] == "BadRequestError"
+    unknown = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}
+    direct = post(fleet.urls[0] + "/v1/chat/completions", unknown)
+    through = kvgate.chat(unknown)
+    assert direct[0] == through[0] == 404
+    for field in ("type", "code", "param", "message"):
+        assert through[2]["error"][field] == direct[2]["error"][field], (field, through, direct)
+    assert "Traceback" not in get_text(kvgate.sidecar + "/metrics")

@@ -1,0 +1,101 @@
+"""What kvgate reads from a real vLLM: its metrics, and when a stream's first token leaves."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+from kvgate.scraper import parse_metrics
+
+from tests.conftest import wait_until
+from tests.real.conftest import BLOCK_SIZE, BLOCKS, MODEL, Gateway, RealFleet, Tokens, get_text
+
+pytestmark = pytest.mark.real
+
+
+def test_every_series_kvgate_reads_comes_from_the_real_exposition(fleet: RealFleet, kvgate: Gateway) -> None:
+    """Running, waiting, waiting for KV, KV usage, the prefix-cache counters, prompt tokens and the
+    cache geometry are all found in vLLM 0.32's own /metrics, and reach /v1/backends."""
+    for url in fleet.urls:
+        s = parse_metrics(get_text(url + "/metrics"), 0.0)
+        assert s.running == 0 and s.waiting == 0
+        assert s.kv_usage is not None and s.waiting_for_kv == 0
+        assert s.prefix_queries is not None and s.prefix_hits is not None and s.prompt_tokens is not None
+        assert (s.block_size, s.kv_blocks) == (BLOCK_SIZE, BLOCKS)
+    wait_until(lambda: all(b["load"]["known"] for b in kvgate.backends().values()), timeout=10)
+    for b in kvgate.backends().values():
+        assert b["cache"] == {"block_size": BLOCK_SIZE, "blocks": BLOCKS}
+        assert b["state"] == "healthy" and b["models"] == [MODEL]
+
+
+def test_a_burst_shows_in_the_backends_load_and_falls_back(kvgate: Gateway, tokens: Tokens) -> None:
+    """Eight concurrent long requests: vLLM's running and waiting counts, as kvgate scrapes them,
+    rise while they run and fall back to zero, as do kvgate's own in-flight counts."""
+    peak = {"load": 0.0, "inflight": 0}
+    body = {"model": MODEL, "max_tokens": 64, "ignore_eos": True}
+    done: list[int] = []
+
+    def one(i: int) -> None:
+        content = tokens.text(2000, 1000 + i)
+        done.append(kvgate.chat({**body, "messages": [{"role": "user", "content": content}]})[0])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        backends = kvgate.backends().values()
+        peak["load"] = max(peak["load"], sum(b["load"]["requests"] for b in backends))
+        peak["inflight"] = max(peak["inflight"], sum(b["inflight"] for b in backends))
+        time.sleep(0.05)
+    assert done == [200] * 8
+    assert peak["load"] >= 4 and peak["inflight"] >= 4, peak
+    wait_until(
+        lambda: all(
+            b["load"]["requests"] == 0 and b["inflight"] == 0 and b["inflight_tokens"] == 0
+            for b in kvgate.backends().values()
+        ),
+        timeout=5,
+    )
+
+
+def stream_timings(port: int, body: dict[str, object]) -> tuple[float, float]:
+    """(seconds to the response headers, seconds to the first `data:` event) as the client sees them."""
+    raw = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+        t0 = time.monotonic()
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw
+        )
+        buf, headers_at = b"", None
+        while True:
+            chunk = s.recv(65536)
+            assert chunk, buf[:300]
+            buf += chunk
+            if headers_at is None and b"\r\n\r\n" in buf:
+                headers_at = time.monotonic() - t0
+            if headers_at is not None and b"data:" in buf.split(b"\r\n\r\n", 1)[1]:
+                return headers_at, time.monotonic() - t0
+
+
+def test_the_gateways_ttft_is_the_first_token_not_the_headers(kvgate: Gateway, tokens: Tokens) -> None:
+    """vLLM sends a stream's headers when it accepts the request and its first event with the first
+    token. For an 8k-token prompt the gateway's TTFT (its first body byte) is within 10 ms of what
+    the client measures, and far from the header time."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": tokens.text(8000, 7)}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    before = kvgate.sidecar_metric("kvgate_gateway_ttft_seconds_sum")
+    count = kvgate.sidecar_metric("kvgate_gateway_ttft_seconds_count")
+    headers_at, first_at = stream_timings(kvgate.port, body)
+    wait_until(lambda: kvgate.sidecar_metric("kvgate_gateway_ttft_seconds_count") == count + 1, timeout=5)
+    gateway = kvgate.sidecar_metric("kvgate_gateway_ttft_seconds_sum") - before
+    assert abs(gateway - first_at) < 0.010, (gateway, first_at)
+    assert first_at > 0.3 and headers_at < first_at / 3, (headers_at, first_at)
