@@ -29,10 +29,9 @@ from typing import Any
 from vllm_sim import tokenizer
 
 TRACE_BLOCK_TOKENS = 512
-# The conversation trace of the checkout's shared/ folder (beside the project); --trace takes any other.
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-)
+# The Mooncake conversation trace, shipped with the benchmark (traces/README.md: source, licence);
+# --trace takes any other in the same format.
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 # Conversations reuse their blocks within minutes, so a few thousand cached blocks serve a whole trace.

@@ -121,10 +121,7 @@ def test_spread_arrivals_resolve_a_shared_timestamp_over_its_slot_in_file_order(
 def test_pooled_ideal_matches_the_trace_readme_yardstick() -> None:
     """The README of the trace gives 7.4 % for 3,440 pooled 512-token blocks over the whole hour; our
     pooled capacity for 4 H100s is 3,375 such blocks."""
-    trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-    if not trace.exists():
-        pytest.fail(f"trace missing at {trace}")
-    reqs = workloads.load_trace(trace)
+    reqs = workloads.load_trace(workloads.DEFAULT_TRACE)
     cached = pooled_cache_ideal(reqs, 4, LLAMA3_8B_H100)
     rate = sum(cached) / sum(r.prompt_tokens for r in reqs)
     assert 0.06 <= rate <= 0.085, rate
