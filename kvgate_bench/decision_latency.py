@@ -11,7 +11,7 @@ already), so every decision pays its Redis round trip.
     python -m kvgate_bench.decision_latency --backends 1000 --sessions 1000000
     python -m kvgate_bench.decision_latency --burst 64    # 64 decisions at once, as a client burst
     python -m kvgate_bench.decision_latency --burst 64 \
-        --trace kvgate_bench/traces/mooncake_conversation_trace.jsonl   # the trace's prompts, new then returning
+        --trace kvgate_bench/traces/mooncake_conversation_trace.jsonl  # the trace prompts, new, returning
 
 With ``--burst N``, N connections each send one decision, all written before any answer is read (new
 session keys, so every one claims its key in Redis), as N clients starting together would through
