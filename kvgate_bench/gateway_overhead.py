@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvgate.config import Config
 from kvgate.nginx_conf import DEBIAN_MODULES, NginxSettings, find_nginx
 from kvgate.tools.launcher import Supervisor, free_port, launch_replica, process_tree, wait_listening
 
@@ -365,8 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "backends": [{"id": "static", "url": f"http://127.0.0.1:{backend}"}],
         }
         gw = free_port()
-        settings = NginxSettings(
-            listen=f"127.0.0.1:{gw}", socket=str(socket_path), run_dir=str(run), workers=2
+        settings = NginxSettings.from_config(
+            Config.from_mapping(cfg, {}), listen=f"127.0.0.1:{gw}", run_dir=str(run), workers=2
         )
         replica = launch_replica(sup, "gateway", cfg, settings)
 
@@ -391,12 +392,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             others.append(uv)
             uv_socket = uv.run_dir / "sidecar.sock"
             uv_port = free_port()
+            uv_cfg = {**cfg, "listen": {"socket": str(uv_socket), "http_port": free_port()}}
             uv_replica = launch_replica(
                 uv,
                 "gateway",
-                {**cfg, "listen": {"socket": str(uv_socket), "http_port": free_port()}},
-                NginxSettings(
-                    listen=f"127.0.0.1:{uv_port}", socket=str(uv_socket), run_dir=str(uv.run_dir), workers=2
+                uv_cfg,
+                NginxSettings.from_config(
+                    Config.from_mapping(uv_cfg, {}),
+                    listen=f"127.0.0.1:{uv_port}",
+                    run_dir=str(uv.run_dir),
+                    workers=2,
                 ),
             )
 

@@ -18,12 +18,14 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from kvgate.config import Config
 from kvgate.nginx_conf import NginxSettings
 from kvgate.tools.launcher import (
     Supervisor,
@@ -38,7 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_bench import levers, report, virtual
 from kvgate_bench.report import Progress, Sample, Summary
-from kvgate_bench.workloads import BenchRequest, add_workload_args, build_workload
+from kvgate_bench.workloads import SIM_MODEL, BenchRequest, add_workload_args, build_workload
 
 MAX_SEND_LAG_S = 0.05  # wall: p99 lateness of the client's sends
 MAX_STEP_LAG = 0.05  # simulators' lost time / scheduled step time
@@ -82,6 +84,35 @@ async def scrape_counters(session: aiohttp.ClientSession, url: str) -> dict[str,
     return out
 
 
+def _reason(status: int, body: bytes) -> str:
+    """An error answer as the report names it: the status and the server's own message."""
+    try:
+        message = str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        message = body[:120].decode(errors="replace")
+    return f"HTTP {status}: {message}"[:200]
+
+
+def errors_by_reason(samples: Sequence[Sample]) -> str:
+    """The failed requests' reasons, most frequent first: what 'errors N' was made of."""
+    counts: dict[str, int] = {}
+    for s in samples:
+        if not s.ok:
+            counts[s.error or "unknown"] = counts.get(s.error or "unknown", 0) + 1
+    return "; ".join(f"{n} x {why}" for why, n in sorted(counts.items(), key=lambda kv: -kv[1])[:5])
+
+
+def served_model(url: str) -> str:
+    """The first model a URL serves (its /v1/models), for a run that names none."""
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+            return str(json.loads(resp.read())["data"][0]["id"])
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        raise SystemExit(
+            f"kvgate-bench: no --model given and {url}/v1/models did not name one: {exc}"
+        ) from None
+
+
 async def _one(session: aiohttp.ClientSession, url: str, r: BenchRequest, body: bytes) -> Sample:
     t0 = time.perf_counter()
     first: float | None = None
@@ -94,8 +125,10 @@ async def _one(session: aiohttp.ClientSession, url: str, r: BenchRequest, body: 
         ) as resp:
             backend = resp.headers.get("X-Kvgate-Backend", "")
             if resp.status != 200:
-                await resp.read()
-                return Sample(0.0, None, time.perf_counter() - t0, 0, False, backend, r.prompt_tokens)
+                why = _reason(resp.status, await resp.read())
+                return Sample(
+                    0.0, None, time.perf_counter() - t0, 0, False, backend, r.prompt_tokens, error=why
+                )
             async for line in resp.content:
                 if not line.startswith(b"data: {"):
                     continue
@@ -114,10 +147,12 @@ async def _one(session: aiohttp.ClientSession, url: str, r: BenchRequest, body: 
                 elif b'"choices":[]' not in line:
                     last = time.perf_counter()
                     n += 1
-    except (aiohttp.ClientError, TimeoutError):
-        return Sample(0.0, None, time.perf_counter() - t0, n, False, backend, r.prompt_tokens)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        why = f"{type(exc).__name__}: {exc}"[:200]
+        return Sample(0.0, None, time.perf_counter() - t0, n, False, backend, r.prompt_tokens, error=why)
     if first is None:
-        return Sample(0.0, None, time.perf_counter() - t0, 0, False, backend, r.prompt_tokens)
+        why = "the stream ended without a token"
+        return Sample(0.0, None, time.perf_counter() - t0, 0, False, backend, r.prompt_tokens, error=why)
     itl = (last - first) / (n - 1) if n > 1 else None
     return Sample(first - t0, itl, last - t0, n, True, backend, r.prompt_tokens)
 
@@ -264,10 +299,15 @@ def start_target(
             "routing": {"policy": policy},
             "backends": [{"id": f"sim-{i}", "url": u} for i, u in enumerate(workers)],
         }
+        cfg["gateway"] = {"route_headers": True}  # the report counts each backend's share
         for section, values in extra.items():
             cfg[section] = {**cfg.get(section, {}), **values}
-        settings = NginxSettings(
-            listen=f"127.0.0.1:{port}", socket=sock, run_dir=str(sup.run_dir), workers=2, access_log=True
+        settings = NginxSettings.from_config(
+            Config.from_mapping(cfg, {}),
+            listen=f"127.0.0.1:{port}",
+            run_dir=str(sup.run_dir),
+            workers=2,
+            access_log=True,
         )
         (sup.run_dir / "nginx-access.log").unlink(missing_ok=True)  # one run's requests only
         return launch_replica(sup, "kvgate", cfg, settings).url
@@ -370,12 +410,17 @@ def add_parsers(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.model is None:
+        args.model = served_model(args.url) if args.mode == "live" else SIM_MODEL
+        print(f"model: {args.model}", file=sys.stderr)  # compare starts simulators serving it
     reqs = build_workload(args)
     head = report.header(argv)
     if args.mode == "live":
         lr = asyncio.run(
             run_live(args.url, reqs, args.speedup * args.time_scale, args.backend_urls, Progress(args.target))
         )
+        if any(not s.ok for s in lr.samples):
+            print(f"errors: {errors_by_reason(lr.samples)}", file=sys.stderr)
         gw = gateway_ttfts(args.gateway_log) if args.gateway_log else []
         row = summarize_live(args.target, lr, args.time_scale, args.speedup, gw)
         path = report.write(

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
+from kvgate.config import Config
 from kvgate.looplag import SchedStat, read_schedstat
 from kvgate.nginx_conf import NginxSettings
 from kvgate.tools.launcher import Supervisor, free_port, free_ports, launch_replica
@@ -31,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_bench import report
 from kvgate_bench.live import _one
-from kvgate_bench.workloads import BenchRequest, add_workload_args, build_workload
+from kvgate_bench.workloads import SIM_MODEL, BenchRequest, add_workload_args, build_workload
 
 
 @dataclass
@@ -220,7 +221,9 @@ def start_stack(
         "redis": {"url": f"redis://127.0.0.1:{redis_port}/0"},
         "backends": [{"id": f"sim-{i}", "url": f"http://127.0.0.1:{sim + i}"} for i in range(backends)],
     }
-    settings = NginxSettings(listen=f"127.0.0.1:{port}", socket=sock, run_dir=str(sup.run_dir), workers=2)
+    settings = NginxSettings.from_config(
+        Config.from_mapping(cfg, {}), listen=f"127.0.0.1:{port}", run_dir=str(sup.run_dir), workers=2
+    )
     replica = launch_replica(sup, "kvgate", cfg, settings)
     return replica.url, replica.http
 
@@ -261,7 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.url:
             url, sidecar_url = args.url, args.sidecar_url
         else:
-            url, sidecar_url = start_stack(sup, args.backends, args.profile, args.time_scale, args.model)
+            url, sidecar_url = start_stack(
+                sup, args.backends, args.profile, args.time_scale, args.model or SIM_MODEL
+            )
             if args.others_nice:
                 os.setpriority(os.PRIO_PROCESS, sup.procs["sim"].pid, args.others_nice)
         if args.others_nice:

@@ -83,12 +83,17 @@ def start_sidecar(
     sim_port: int,
     n: int,
     redis_extra: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
     **routing: Any,
 ) -> Sidecar:
-    """A sidecar alone (no Nginx) over ``n`` simulated backends from ``sim_port``."""
-    cfg = sidecar_config(
-        stack.run_dir / f"{name}.sock", free_port(), redis_port, sim_port, n, redis_extra, **routing
-    )
+    """A sidecar alone (no Nginx) over ``n`` simulated backends from ``sim_port``; ``extra``: more
+    config sections."""
+    cfg = {
+        **sidecar_config(
+            stack.run_dir / f"{name}.sock", free_port(), redis_port, sim_port, n, redis_extra, **routing
+        ),
+        **(extra or {}),
+    }
     return Sidecar(launch_replica(stack, name, cfg))
 
 
@@ -118,7 +123,7 @@ class Gateway:
         sim_port: int,
         n: int,
         client_max_body_size: str = "16m",
-        route_headers: bool = True,
+        route_headers: bool | None = True,  # None: the config's default
         first_byte_timeout_ms: int = 60_000,
         upstream_keepalive_timeout: str = "4s",
         decision_timeout_ms: int = 50,
@@ -134,12 +139,13 @@ class Gateway:
         socket = stack.run_dir / f"{name}.sock"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        gateway = {
+        gateway: dict[str, Any] = {
             "client_max_body_size": client_max_body_size,
-            "route_headers": route_headers,
             "first_byte_timeout_ms": first_byte_timeout_ms,
             "decision_timeout_ms": decision_timeout_ms,
         }
+        if route_headers is not None:
+            gateway["route_headers"] = route_headers
         cfg = {**sidecar_config(socket, free_port(), redis_port, sim_port, n, **routing), **(extra or {})}
         cfg["gateway"] = {**gateway, **cfg.get("gateway", {})}
         self.settings = NginxSettings.from_config(

@@ -157,6 +157,8 @@ class PhaseNginx:
             (run / "tmp" / sub).mkdir(parents=True, exist_ok=True)
         self.error_log = run / "error.log"
         conf_dir = run / "conf"
+        # The phase tests read which candidate answered from the route headers.
+        settings.setdefault("route_headers", True)
         s = NginxSettings(
             listen=f"127.0.0.1:{self.port}", socket=str(sidecar_socket), run_dir=str(run), **settings
         )

@@ -29,7 +29,7 @@ def test_a_render_and_its_sidecar_agree_and_any_gateway_setting_changes_the_fing
     base = cfg()
     assert NginxSettings.from_config(base, listen="0.0.0.0:80").fingerprint == Agreement(base).fingerprint
     others = [
-        cfg(gateway={"route_headers": False}),
+        cfg(gateway={"route_headers": True}),
         cfg(auth={"keys": [{"name": "a", "sha256": hash_key(KEY)}]}),
         cfg(limits={"per_key": {"requests_per_minute": 10}}),
         cfg(gateway={"first_byte_timeout_ms": 30_000}),
@@ -38,7 +38,7 @@ def test_a_render_and_its_sidecar_agree_and_any_gateway_setting_changes_the_fing
     prints = {Agreement(c).fingerprint for c in [base, *others]}
     assert len(prints) == 1 + len(others)
     # A setting overridden at render time is what Nginx runs: the fingerprint says so.
-    overridden = NginxSettings.from_config(base, route_headers=False)
+    overridden = NginxSettings.from_config(base, route_headers=True)
     assert overridden.fingerprint == Agreement(others[0]).fingerprint
     # Deployment details (where Nginx listens, its workers) are not the config's.
     assert NginxSettings.from_config(base, workers=8).fingerprint == Agreement(base).fingerprint

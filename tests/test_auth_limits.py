@@ -86,6 +86,49 @@ def test_keys_are_checked_by_nginx_even_while_the_sidecar_is_away(stack: Supervi
     assert status == 200 and headers["X-Kvgate-Route"] == "fail-open"
 
 
+def get(url: str, key: str | None, scheme: str = "Bearer") -> int:
+    req = urllib.request.Request(url, headers={"Authorization": f"{scheme} {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return int(exc.code)
+
+
+def test_with_keys_on_the_model_list_and_metrics_need_one_too_unless_opened(stack: Supervisor) -> None:
+    """/v1/models and /kvgate/metrics answered anyone once keys were on; now they need a key unless
+    auth.open_routes names them. /health and /kvgate/health stay open for probes. The scheme is
+    case-insensitive (BEARER and bearer are Bearer)."""
+    sim = start_backends(stack, 1)
+    gw = Gateway(stack, "gw", None, sim, 1, extra=keyed())
+    for path in ("/v1/models", "/kvgate/metrics"):
+        assert get(gw.url + path, None) == 401 and get(gw.url + path, "sk-wrong") == 401
+        assert get(gw.url + path, KEY_A) == 200
+    assert get(gw.url + "/health", None) == 200 and get(gw.url + "/kvgate/health", None) == 200
+    for scheme in ("BEARER", "bearer", "BeArEr"):
+        assert get(gw.url + "/v1/models", KEY_A, scheme) == 200, scheme
+    assert get(gw.url + "/v1/models", KEY_A, "Basic") == 401
+    opened = Gateway(
+        stack,
+        "open",
+        None,
+        sim,
+        1,
+        extra={**keyed(), "auth": {**keyed()["auth"], "open_routes": ["metrics"]}},
+    )
+    assert get(opened.url + "/kvgate/metrics", None) == 200 and get(opened.url + "/v1/models", None) == 401
+
+
+def test_route_headers_are_off_unless_the_config_turns_them_on(stack: Supervisor) -> None:
+    """They name the backend that serves each session: off by default (the example config always said
+    so; the code did not)."""
+    sim = start_backends(stack, 1)
+    gw = Gateway(stack, "gw", None, sim, 1, route_headers=None)
+    status, headers, _ = call(gw.url, None)
+    assert status == 200 and "X-Kvgate-Backend" not in headers and "X-Kvgate-Route" not in headers
+
+
 def test_the_backend_never_sees_the_gateway_key(stack: Supervisor) -> None:
     """vLLM started with its own --api-key would refuse the gateway's key; it is not forwarded."""
     sim = start_backends(stack, 1)
@@ -125,6 +168,63 @@ def test_token_limits_count_prompt_and_max_tokens_then_the_real_usage(stack: Sup
     assert call(gw.url, KEY_A, big)[0] == 200  # admitted: counted as ~1900
     status, _, _ = call(gw.url, KEY_A, big)
     assert status == 429
+
+
+def stream(url: str, key: str, body: dict[str, Any]) -> tuple[int, int, str]:
+    """(status, tokens received, the raw stream) of one streamed chat through the gateway."""
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            text = resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, 0, exc.read().decode()
+    tokens = 0
+    for line in text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                tokens += len((choice.get("delta", {}).get("content") or "").split())
+    return 200, tokens, text
+
+
+def test_a_stream_is_counted_by_what_it_generated_and_never_outruns_its_keys_budget(
+    stack: Supervisor,
+) -> None:
+    """A plain stream sends no usage, and one without max_tokens generates up to the model's length:
+    a key limited to 1,500 tokens a minute once streamed thousands. Now the gateway gives such a
+    request the key's remaining budget as max_tokens, asks vLLM for the stream's usage (and strips it
+    when the client did not ask), and counts what was generated."""
+    sim = start_backends(stack, 1, "--max-model-len", "4096", "--time-scale", "20")
+    gw = Gateway(
+        stack,
+        "gw",
+        None,
+        sim,
+        1,
+        decision_timeout_ms=COUNTED_MS,
+        extra=keyed(per_key={"tokens_per_minute": 1500}),
+    )
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "tell a long story"}],
+        "ignore_eos": True,
+    }
+    inside_one_window(15.0)
+    status, tokens, text = stream(gw.url, KEY_A, body)
+    assert status == 200 and 1000 < tokens <= 1500, (status, tokens)
+    assert '"usage"' not in text and text.rstrip().endswith("data: [DONE]")  # the client did not ask
+    status, _, text = stream(gw.url, KEY_A, body)
+    assert status == 429, (status, text[:300])  # the budget is spent: what was generated counted
+    # A client that asks for the usage gets it, as vLLM sends it.
+    status, tokens, text = stream(
+        gw.url, KEY_B, {**body, "max_tokens": 5, "stream_options": {"include_usage": True}}
+    )
+    assert status == 200 and tokens == 5 and '"completion_tokens":5' in text.replace(" ", ""), text[-400:]
 
 
 def test_replicas_share_a_limit_through_redis(stack: Supervisor) -> None:

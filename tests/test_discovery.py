@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from kvgate.config import Config, ConfigError
+from kvgate.config import BackendSpec, Config, ConfigError
 from kvgate.discovery import discover_once
 from kvgate.membership import AddressPolicy, Membership
 from kvgate.sidecar import build_sidecar
@@ -73,6 +73,9 @@ def test_rounds_add_what_appears_remove_what_goes_and_survive_a_failed_lookup() 
         assert hosts() == {"10.0.0.1:8000", "10.0.0.2:8000"} and "static" in core.registry.backends
         # Discovered addresses pass the address policy (whose allow list is the config's hosts).
         assert policy.allows(d.spec("10.0.0.2")) and not policy.allows(d.spec("10.0.0.99"))
+        # Only the port it was found on: another port of the same host is no backend of ours.
+        assert not policy.allows(BackendSpec("rogue", "http://10.0.0.2:9999"))
+        assert not policy.allows(BackendSpec("rogue", "http://10.9.9.9:8001"))
         owned = await discover_once(d, membership, owned, resolver)
         assert hosts() == {"10.0.0.2:8000", "10.0.0.3:8000"}
         owned = await discover_once(d, membership, owned, resolver)  # lookup failed: nothing moves

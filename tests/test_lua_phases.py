@@ -111,6 +111,7 @@ def test_lua_protocol_matches_the_golden_file(phase: Phase) -> None:
             assert lua["priority"] == want["priority"]
             assert (lua["prefill"] if lua["np"] else []) == want["prefill"]
             assert (lua["first_byte_ms"] if lua["nfb"] else []) == want["first_byte_ms"]
+            assert lua["max_tokens"] == want["max_tokens"]
         elif want["kind"] == "error":
             expected = {"kind": "error", "code": want["code"], "message": want["message"], "decision": False}
             if want["retry_after"] is not None:

@@ -73,6 +73,7 @@ def reply(d: dict[str, Any]) -> object:
             d["priority"],
             tuple(Candidate(*c) for c in d["prefill"]),
             tuple(d["first_byte_ms"]),
+            d["max_tokens"],
         )
     if kind == "queued":
         return QueuedReply(d["decision_id"])

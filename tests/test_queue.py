@@ -21,8 +21,11 @@ def queue(**kw: object) -> tuple[GatewayQueue, Clock]:
     return GatewayQueue(QueueConfig(enabled=True, **kw), clock), clock  # type: ignore[arg-type]
 
 
-def waiting(q: GatewayQueue, did: str, tokens: int = 100, priority: int = 0) -> Waiting:
-    w = Waiting(did, Features("m", None, "none", (), 400), PolicyName.KVGATE, priority, q.clock(), tokens)
+def waiting(
+    q: GatewayQueue, did: str, tokens: int = 100, priority: int = 0, key: str | None = None
+) -> Waiting:
+    f = Features("m", None, "none", (), 400, client_key=key)
+    w = Waiting(did, f, PolicyName.KVGATE, priority, q.clock(), tokens)
     q.add(w)
     return w
 
@@ -97,3 +100,26 @@ def test_expired_removes_exactly_the_requests_that_waited_too_long() -> None:
     assert [w.decision_id for w in q.expired()] == ["old"]
     assert "old" not in q and "young" in q and len(q) == 1
     assert q.remove("young") is not None and q.remove("young") is None and len(q) == 0
+
+
+def test_one_api_key_holds_at_most_its_share_and_the_others_still_get_in() -> None:
+    """A key that floods fills its half of the queue, then its own requests are refused (saying
+    whose share is full) while another key's still join; its share frees up as its requests leave
+    by any way out (dispatched, expired, removed), and the counts end at zero."""
+    q, clock = queue(max_size=10, max_key_share=0.5, max_wait_s=5.0)
+    flood = [waiting(q, f"f{i}", key="flood") for i in range(5)]
+    with pytest.raises(QueueFull) as refused:
+        waiting(q, "f5", key="flood")
+    assert refused.value.key == "flood"
+    other = [waiting(q, f"o{i}", key="other") for i in range(3)]
+    anonymous = waiting(q, "anon")  # no key (auth off): only the whole queue bounds it
+    assert len(q) == 9 and q.keys_waiting() == 2
+    q.dispatched(flood[0])
+    waiting(q, "f6", key="flood")  # its share has room again
+    assert q.remove("f1") is not None
+    clock.t += 6
+    expired = q.expired()
+    assert {w.decision_id for w in expired} == {w.decision_id for w in [*flood[2:], *other, anonymous]} | {
+        "f6"
+    }
+    assert len(q) == 0 and q.keys_waiting() == 0

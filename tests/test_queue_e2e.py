@@ -14,6 +14,7 @@ from typing import Any
 
 import openai
 import pytest
+from kvgate.config import hash_key
 from kvgate.tools.launcher import Supervisor, free_port
 
 from tests.conftest import MODEL, http_json, wait_until
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.e2e
 BURST = 12
 
 
-def gateway(stack: Supervisor, **queue: Any) -> Gateway:
+def gateway(stack: Supervisor, extra: dict[str, Any] | None = None, **queue: Any) -> Gateway:
     redis_port = free_port()
     stack.start_redis(redis_port)
     sim = start_backends(stack, 2)
@@ -33,7 +34,7 @@ def gateway(stack: Supervisor, **queue: Any) -> Gateway:
         redis_port,
         sim,
         2,
-        extra={"queue": {"enabled": True, "heartbeat_ms": 100, **queue}},
+        extra={"queue": {"enabled": True, "heartbeat_ms": 100, **queue}, **(extra or {})},
         # One request awaiting prefill saturates a backend: a burst must wait at the gateway.
         saturation_prefill_tokens=512,
     )
@@ -43,9 +44,9 @@ def prompt(i: int) -> str:
     return " ".join(f"q{i}-w{j}" for j in range(700))  # ~5 KB: above the 512-token budget alone
 
 
-def burst(url: str, n: int, stream: bool = True) -> list[Any]:
+def burst(url: str, n: int, stream: bool = True, key: str = "unused") -> list[Any]:
     """``n`` chat requests at once through the openai client; each result is the text or the error."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
     results: list[Any] = [None] * n
 
     def one(i: int) -> None:
@@ -127,3 +128,28 @@ def test_the_clients_priority_is_forwarded_to_the_backend(stack: Supervisor) -> 
     assert status == 200  # class 0 is vLLM's default: nothing to forward
     status, _ = http_json("POST", gw.url + "/v1/chat/completions", body)
     assert status == 200
+
+
+def test_one_key_flooding_the_queue_leaves_the_other_keys_their_room(stack: Supervisor) -> None:
+    """One key sent all its requests at once and held every slot; another key's requests all got
+    429 queue_full. Now a key holds at most its share (here half of 8): the flood's excess is
+    refused by name, the other key's requests wait their turn and are all served."""
+    flood_key, quiet_key = "sk-flooding-tenant-0001", "sk-quiet-tenant-000002"
+    keys = {
+        "keys": [
+            {"name": "flood", "sha256": hash_key(flood_key)},
+            {"name": "quiet", "sha256": hash_key(quiet_key)},
+        ]
+    }
+    gw = gateway(stack, {"auth": keys}, max_size=8, max_key_share=0.5, max_wait_ms=30_000)
+    results: dict[str, list[Any]] = {}
+    flood = threading.Thread(target=lambda: results.setdefault("flood", burst(gw.url, 16, False, flood_key)))
+    flood.start()
+    wait_until(lambda: metric(gw, "kvgate_queue_depth") >= 4, timeout=10, every=0.01)
+    results["quiet"] = burst(gw.url, 4, False, quiet_key)
+    flood.join(60)
+    assert all(not isinstance(r, Exception) for r in results["quiet"]), results["quiet"]
+    refused = [r for r in results["flood"] if isinstance(r, openai.RateLimitError)]
+    assert refused and all("share of the gateway queue" in r.message for r in refused), results["flood"]
+    assert metric(gw, "kvgate_queue_rejected_total") == len(refused)
+    wait_until(idle(gw), timeout=2)

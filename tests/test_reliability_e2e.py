@@ -114,6 +114,55 @@ def test_a_request_without_host_gets_a_json_400_from_the_gateway(shared: Stack) 
     assert status == 400 and "Host" in err["error"]["message"]
 
 
+def test_what_nginx_cannot_read_is_answered_as_json_without_a_log_line_per_request(shared: Stack) -> None:
+    """A malformed chunked body on an API route (whose error_page list replaces the server's) and an
+    unknown HTTP version: OpenAI-style JSON, never Nginx's HTML page. Neither writes a warning that
+    quotes the client's request line (a client-made log flood)."""
+    port = shared.gw.port
+    before = shared.gw.error_log.read_text() if shared.gw.error_log.exists() else ""
+    status, err = raw(
+        port,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Transfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\nzz\r\nnot a chunk\r\n0\r\n\r\n",
+    )
+    assert status == 400 and err["error"]["code"] == 400, err
+    status, err = raw(port, b"GET /v1/models HTTP/9.9\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert status == 505 and err["error"]["code"] == 505, err
+    log = shared.gw.error_log.read_text()[len(before) :]
+    assert "uninitialized" not in log, log
+
+
+def test_a_lone_surrogate_escape_in_a_prompt_is_served_as_vllm_serves_it(shared: Stack) -> None:
+    """Python's json (vLLM's) takes "\\ud800"; lua-cjson refused it, so the gateway answered 400. The
+    gateway reads it now (a high-low pair stays a pair) and the backend gets the body as sent."""
+    for content in (b"hi \\ud800 there", b"\\udfff", b"pair \\ud83d\\ude00 and lone \\udc00"):
+        body = (
+            b'{"model":"sim-model","messages":[{"role":"user","content":"' + content + b'"}],"max_tokens":2}'
+        )
+        status, reply = post(shared.gw.port, body)
+        assert status == 200 and reply["choices"], (content, reply)
+    # In a field the gateway reads as text, it is no text: refused as before.
+    status, err = post(shared.gw.port, b'{"model":"sim-\\ud800",' + MSG + b"}")
+    assert status == 400 and err["error"]["param"] == "model", err
+
+
+def test_a_binding_that_is_no_backend_id_in_redis_is_repaired_on_the_next_turn(shared: Stack) -> None:
+    """Anyone who can write to Redis can write any bytes as a session's binding. One that was not
+    UTF-8 crashed every decision of that session (each fell open, the binding never changed)."""
+    r = redis.Redis(port=shared.redis_port, socket_timeout=2)
+    for key, value in (("bogus-bytes", b"\xff\xfe"), ("bogus-id", b"no-such-backend")):
+        r.set(f"kvgate:s:h:{key}", value)
+        routes = [
+            http_json("POST", shared.gw.url + "/v1/chat/completions", chat(800, 1), {"X-Session-ID": key})
+            for _ in range(3)
+        ]
+        assert all(status == 200 for status, _ in routes), routes
+        wait_until(lambda k=key: (r.get(f"kvgate:s:h:{k}") or b"").startswith(b"sim-"), timeout=3)
+    r.close()
+    log = (shared.gw.stack.run_dir / f"{shared.gw.sidecar.name}.log").read_text()
+    assert "Traceback" not in log
+
+
 def test_long_session_values_are_stored_as_a_fixed_size_hash(shared: Stack) -> None:
     user = "user-" + "x" * 400
     status, _ = post(shared.gw.port, json.dumps({**chat(1, 1), "user": user}).encode())
@@ -296,3 +345,28 @@ def test_huge_requests_that_stall_the_backends_do_not_fail_the_next(stack: Super
     for t in threads:
         t.join(60)
     assert sorted(results) == [400, 400, 400], results  # over the model's length: vLLM's own 400
+
+
+def test_a_sidecar_told_to_stop_serves_until_its_gateway_has_gone(stack: Supervisor) -> None:
+    """SIGTERM (a pod going away: Kubernetes signals both containers while Nginx drains its streams)
+    used to stop the sidecar at once, and the draining gateway routed on its own. Now the sidecar
+    keeps deciding while Nginx runs, and stops once Nginx has gone."""
+    import os
+    import signal
+    import time
+
+    s = Stack(stack, n=2)
+    sidecar = stack.procs[s.gw.sidecar.name]
+    os.kill(sidecar.pid, signal.SIGTERM)
+    time.sleep(1.5)  # past the quiet second it would need if nothing were connected
+    for i in range(5):
+        status = http_json("POST", s.gw.url + "/v1/chat/completions", chat(990 + i, 1))[0]
+        assert status == 200
+    assert sidecar.poll() is None
+    routes = http_json("GET", s.gw.url + "/kvgate/metrics")[1]
+    assert "kvgate_gateway_failopen_total{" not in routes, routes  # every one was decided
+    stack.stop(s.gw.replica.nginx_name)
+    t0 = time.monotonic()
+    sidecar.wait(10)
+    assert time.monotonic() - t0 < 5
+    assert "drained: stopping" in (stack.run_dir / f"{s.gw.sidecar.name}.log").read_text()

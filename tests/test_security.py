@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import redis
 import yaml
+from kvgate.config import BackendSpec, Config, ConfigError
+from kvgate.membership import AddressPolicy
 from kvgate.tools.decision_client import DecisionClient
 from kvgate.tools.launcher import Supervisor, free_port, launch_replica, wait_listening
 
@@ -112,6 +114,46 @@ def test_membership_entries_from_redis_must_match_the_allowed_hosts(stack: Super
         assert all(c.decide_body(chat(i, 1)).candidates[0].id != "evil" for i in range(20))
     status, body = sc.admin("POST", "/admin/backends", {"id": "evil2", "url": "http://10.1.2.3:8000"})
     assert status == 400 and "membership.allow" in body["error"]["message"]
+    listener.close()
+    r.close()
+
+
+def test_a_listener_on_another_port_of_a_backend_host_is_never_adopted(stack: Supervisor) -> None:
+    """The rogue shares a host with the real backends (127.0.0.1) and registers itself through
+    Redis: the default policy admits exactly the configured addresses, and allow entries name ports
+    (a host alone is refused at startup, since it admitted every port of that host)."""
+    port = free_port()
+    stack.start_redis(port)
+    sim = start_backends(stack, 2)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    rogue = {"id": "rogue", "url": f"http://127.0.0.1:{listener.getsockname()[1]}", "weight": 100.0}
+    r = redis.Redis(port=port, socket_timeout=2)
+    sc = start_sidecar(stack, "a", port, sim, 2)
+    r.hset("kvgate:backends", "rogue", json.dumps({**rogue, "labels": {}, "draining": False}))
+    r.incr("kvgate:backends:v")
+    wait_until(
+        lambda: "kvgate_membership_rejected_total 1.0" in http_json("GET", sc.http + "/metrics")[1], timeout=5
+    )
+    assert "rogue" not in sc.backends()
+    with sc.client() as c:
+        assert all(c.decide_body(chat(i, 1)).candidates[0].id != "rogue" for i in range(20))
+    with pytest.raises(ConfigError, match="must name a host and its ports"):
+        Config.from_mapping(
+            {**sidecar_config(Path("s"), 1, port, sim, 2), "membership": {"allow": ["127.0.0.1"]}}, {}
+        )
+    # A port range admits what is in it, and only that.
+    allowed = Config.from_mapping(
+        {
+            **sidecar_config(Path("s"), 1, port, sim, 2),
+            "membership": {"allow": [f"127.0.0.1:{sim}-{sim + 9}"]},
+        },
+        {},
+    )
+    policy = AddressPolicy(allowed.membership, allowed.backends)
+    assert policy.allows(BackendSpec("in", f"http://127.0.0.1:{sim + 9}"))
+    assert not policy.allows(BackendSpec("rogue", rogue["url"]))
     listener.close()
     r.close()
 

@@ -125,8 +125,10 @@ def test_garbage_metrics_leave_a_backend_in_with_unknown_load_and_a_failed_healt
 
 def test_membership_changes_reach_every_sidecar(stack: Supervisor, redis_port: int) -> None:
     sim = start_backends(stack, 3)
-    a = start_sidecar(stack, "a", redis_port, sim, 2)  # knows sim-0, sim-1
-    b = start_sidecar(stack, "b", redis_port, sim, 2)
+    # Backends added at run time must be allowed by address, on every replica that adopts them.
+    allow = {"membership": {"allow": [f"127.0.0.1:{sim}-{sim + 2}"]}}
+    a = start_sidecar(stack, "a", redis_port, sim, 2, extra=allow)  # knows sim-0, sim-1
+    b = start_sidecar(stack, "b", redis_port, sim, 2, extra=allow)
     assert a.admin("POST", "/admin/backends", {"id": "sim-2", "url": f"http://127.0.0.1:{sim + 2}"})[0] == 201
     wait_until(lambda: "sim-2" in b.backends(), timeout=3)
     assert a.admin("POST", "/admin/backends/sim-0/drain")[0] == 200

@@ -192,10 +192,31 @@ local function json_body(kind)
     end
     local body
     body, err = json.decode(raw)
+    if not body and err and str_find(err, "unicode escape", 1, true) then
+        body, err = json.decode(jsontext.raw_surrogates(raw))   -- lone surrogates, as vLLM takes them
+    end
     if type(body) ~= "table" then
         return nil, "The request body is not valid JSON: " .. (err or "not an object") .. "."
     end
     return body, nil, raw
+end
+
+-- With rate limits on: what the token count needs from the backend. A request the sidecar gave a
+-- max_tokens (it had none, and a token limit applies) gets it; a stream asks for its usage (vLLM sends
+-- it last), which the body filter strips again when the client did not ask for it.
+local function usage_fields(ctx, body, decision, kind, generates, added)
+    if decision and decision.max_tokens then
+        added[#added + 1] = { kind == "responses" and "max_output_tokens" or "max_tokens",
+                              str_format("%d", decision.max_tokens) }
+    end
+    local options = body.stream_options
+    if generates and body.stream == true and (options == nil or options == cjson.null
+                                               or type(options) == "table" and options.include_usage ~= true) then
+        options = type(options) == "table" and options or {}
+        options.include_usage = true
+        added[#added + 1] = { "stream_options", cjson.encode(options) }
+        ctx.kv_strip_usage = true
+    end
 end
 
 -- kind (the route's $kvgate_kind): "json" (a JSON body, or none for GET/DELETE), "responses" (the
@@ -293,6 +314,9 @@ function _M.run()
         else
             route = route .. "/colocated"
         end
+    end
+    if conf.limits then
+        usage_fields(ctx, body, decision, kind, generates, added)
     end
     if #added > 0 then
         ngx.req.set_body_data(jsontext.with_fields(raw, added))

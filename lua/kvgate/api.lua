@@ -2,6 +2,7 @@
 -- and /kvgate/health.
 
 local agreement = require "kvgate.agreement"
+local auth     = require "kvgate.auth"
 local cjson    = require "cjson.safe"
 local conf     = require "kvgate.conf"
 local errors   = require "kvgate.errors"
@@ -34,10 +35,19 @@ local function send_json(encoded)
     return ngx.say(encoded)
 end
 
+-- With API keys on, the model list and the gateway's metrics need a key too, unless the config
+-- opens them (auth.open_routes); /health and /kvgate/health stay open for probes.
+local function keyed(route)
+    if conf.auth and not conf.open_routes[route] then
+        auth.check()   -- ends the request with 401 when the key is missing or wrong
+    end
+end
+
 function _M.models()
     if not_get() then
         return
     end
+    keyed("models")
     local dict = ngx.shared[conf.dict]
     local reply = sidecar.models()
     local cards = reply and protocol.model_list(reply)
@@ -74,6 +84,7 @@ function _M.metrics()
     if not_get() then
         return
     end
+    keyed("metrics")
     ngx.header["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
     return ngx.print(stats.prometheus())
 end

@@ -17,6 +17,7 @@ local type       = type
 local str_byte   = string.byte
 local str_format = string.format
 local str_match  = string.match
+local str_lower  = string.lower
 local concat     = table.concat
 
 local REFRESH_S = 1
@@ -100,8 +101,12 @@ function _M.check()
         return errors.send(503, "The gateway is starting: API keys are not loaded yet.")
     end
     local header = ngx.var.http_authorization
-    local key = type(header) == "string" and str_match(header, "^[Bb]earer%s+(%S+)%s*$")
-    local name = key and keys[sha256_hex(key)]
+    local scheme, key
+    if type(header) == "string" then
+        scheme, key = str_match(header, "^(%a+)%s+(%S+)%s*$")
+    end
+    -- The scheme is case-insensitive (RFC 9110): bearer, Bearer and BEARER alike.
+    local name = key and str_lower(scheme) == "bearer" and keys[sha256_hex(key)]
     if not name then
         ngx.header["WWW-Authenticate"] = 'Bearer realm="kvgate"'
         return errors.send(401, "Incorrect API key provided.", "invalid_request_error", nil, "invalid_api_key")

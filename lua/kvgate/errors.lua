@@ -17,6 +17,7 @@ local TYPES = {
     [401] = "invalid_request_error",
     [404] = "NotFoundError",
     [405] = "invalid_request_error",
+    [411] = "invalid_request_error",
     [414] = "invalid_request_error",
     [431] = "invalid_request_error",
     [494] = "invalid_request_error",
@@ -31,9 +32,10 @@ local TYPES = {
 
 -- What Nginx-made errors say (the status alone is all error_page passes on).
 local MESSAGES = {
-    [400] = function() return "The request could not be read." end,
+    [400] = function() return "The request could not be read (a malformed request line, headers or chunked body)." end,
     [404] = function() return "Unknown route." end,
     [405] = function() return "This method is not allowed on this route." end,
+    [411] = function() return "The request body needs a Content-Length or chunked encoding." end,
     [413] = function() return "The request body is larger than client_max_body_size (" .. conf.max_body .. ")." end,
     [414] = function() return "The request URI is too long." end,
     [431] = function() return "The request headers are too large." end,

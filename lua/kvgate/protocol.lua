@@ -3,12 +3,13 @@
 -- messages both must build and read alike. Every message carries the protocol version pv: a reply in
 -- another version is refused with a loud log line, and the request routes fail-open.
 
-local ngx      = ngx
-local ngx_log  = ngx.log
-local ngx_ERR  = ngx.ERR
-local ngx_now  = ngx.now
-local type     = type
-local tostring = tostring
+local ngx        = ngx
+local ngx_log    = ngx.log
+local ngx_ERR    = ngx.ERR
+local ngx_now    = ngx.now
+local type       = type
+local tostring   = tostring
+local math_floor = math.floor
 
 local VERSION = 4
 local MISMATCH_LOG_EVERY_S = 10   -- loud, but not once per request
@@ -127,8 +128,9 @@ end
 
 -- A decision: { id, ids = {backend ids}, addrs = {host:port}, route, priority (to write into the
 -- body, or nil), prefill_ids, prefill_addrs (disaggregated, or nil), first_byte_ms (one per
--- candidate, or nil) }, or nil, error message, error code (the sidecar's, e.g. "unknown_model"; nil
--- for a malformed reply), retry-after seconds.
+-- candidate, or nil), max_tokens (to write into the body: a token limit's headroom, or nil) }; or
+-- nil, error message, error code (the sidecar's, e.g. "unknown_model"; nil for a malformed reply),
+-- retry-after seconds.
 function _M.decision(reply)
     if reply.e then
         return nil, tostring(reply.msg), reply.e, reply.ra
@@ -142,6 +144,10 @@ function _M.decision(reply)
     end
     local out = { id = reply.i, ids = ids, addrs = addrs, route = reply.r,
                   first_byte_ms = budgets(reply.fb, #ids) }
+    local mt = reply.mt
+    if type(mt) == "number" and mt >= 1 and mt == math_floor(mt) then
+        out.max_tokens = mt
+    end
     if type(reply.pr) == "number" then
         out.priority = reply.pr
     end

@@ -23,6 +23,7 @@ local str_find   = string.find
 local str_format = string.format
 local str_match  = string.match
 local str_gmatch = string.gmatch
+local str_gsub   = string.gsub
 local str_sub    = string.sub
 
 local FLUSH_EVERY_S  = 0.1     -- outcome reports are flushed in batches this often
@@ -210,6 +211,31 @@ local function keep_tail(ctx)
     end
 end
 
+-- The usage event vLLM sends last when asked (stream_options.include_usage): the gateway asked on
+-- the client's behalf (rate limits count what was generated), so it is read (keep_tail) and not
+-- passed on. An event unfinished at a chunk's end waits for the next chunk: its end says what it is.
+local USAGE_EVENT = 'data: {[^\n]-"choices"%s*:%s*%[%s*%][^\n]-"usage"%s*:[^\n]*\n\n'
+
+local function strip_usage(ctx)
+    local chunk = ngx.arg[1]
+    if ctx.kv_carry then
+        chunk = ctx.kv_carry .. chunk
+        ctx.kv_carry = nil
+    end
+    if not ngx.arg[2] then
+        local whole, rest = str_match(chunk, "^(.*\n\n)(.-)$")
+        if not whole then
+            whole, rest = "", chunk
+        end
+        if rest ~= "" then
+            ctx.kv_carry, chunk = rest, whole
+        end
+    end
+    -- With include_usage every other event carries "usage":null: gone too, so that the client gets
+    -- the stream it asked for.
+    ngx.arg[1] = str_gsub(str_gsub(chunk, USAGE_EVENT, ""), ',%s*"usage"%s*:%s*null', "")
+end
+
 function _M.body_filter()
     local ctx = ngx.ctx
     if ctx.kv_eof or not ctx.kv_tries or ctx.kv_tries == 0 then
@@ -217,6 +243,9 @@ function _M.body_filter()
     end
     if conf.limits then
         keep_tail(ctx)
+    end
+    if ctx.kv_strip_usage and ctx.kv_stream then
+        strip_usage(ctx)
     end
     if ngx.arg[2] then
         ctx.kv_eof = true
@@ -287,9 +316,12 @@ function _M.log()
     local backend = ids[picks[tries]]
     local ttft = ctx.kv_stream and ctx.kv_first or nil
     local pt, ct
-    if ctx.kv_tail then
-        pt = tonumber(str_match(ctx.kv_tail, '"prompt_tokens"%s*:%s*(%d+)'))
-        ct = tonumber(str_match(ctx.kv_tail, '"completion_tokens"%s*:%s*(%d+)'))
+    local tail = ctx.kv_tail
+    if tail then
+        -- Chat and completions name them prompt/completion tokens; the Responses API input/output.
+        pt = tonumber(str_match(tail, '"prompt_tokens"%s*:%s*(%d+)') or str_match(tail, '"input_tokens"%s*:%s*(%d+)'))
+        ct = tonumber(str_match(tail, '"completion_tokens"%s*:%s*(%d+)')
+                      or str_match(tail, '"output_tokens"%s*:%s*(%d+)'))
     end
     _M.push(protocol.ended(ctx.kv_id, backend, status, sent, ttft, duration, ctx.kv_cut, pt, ct,
                            ctx.kv_rid))

@@ -43,6 +43,7 @@ def gateway_settings(config: Config) -> dict[str, Any]:
         "client_max_body_size": g.client_max_body_size,
         "worker_user": g.worker_user,
         "auth": config.auth.enabled,
+        "open_routes": list(config.auth.open_routes),
         "limits": config.limited,
         "queue": config.queue.enabled,
         "queue_heartbeat_ms": round(config.queue.heartbeat_s * 1000),

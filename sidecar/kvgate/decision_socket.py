@@ -53,6 +53,7 @@ class DecisionServer:
         self.agreement = agreement
         self.server: asyncio.Server | None = None
         self._version_logged = 0.0
+        self.connections = 0  # open connections from Nginx (the drain on SIGTERM waits for none)
 
     async def start(self, path: str, group: str | None = None) -> None:
         """Listen on ``path``: readable and writable by the sidecar's user and ``group`` only."""
@@ -79,10 +80,13 @@ class DecisionServer:
                     ErrorCode.RATE_LIMITED, "Rate limit reached; retry later.", int(exc.retry_after)
                 )
             except QueueFull as exc:
+                full = (
+                    "the gateway queue is full"
+                    if exc.key is None
+                    else "this API key already holds its share of the gateway queue"
+                )
                 return ErrorReply(
-                    ErrorCode.QUEUE_FULL,
-                    "Every backend is busy and the gateway queue is full; retry later.",
-                    exc.retry_after,
+                    ErrorCode.QUEUE_FULL, f"Every backend is busy and {full}; retry later.", exc.retry_after
                 )
             if isinstance(routed, Queued):
                 return routed
@@ -110,6 +114,7 @@ class DecisionServer:
             routed.priority if forward else None,
             routed.prefill,
             routed.first_byte_ms,
+            self.service.given_max_tokens(routed.decision_id),
         )
 
     async def _wait(self, queued: Queued, writer: asyncio.StreamWriter) -> Reply:
@@ -155,6 +160,7 @@ class DecisionServer:
         return ErrorReply(exc.code, str(exc))
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
             while True:
                 try:
@@ -184,4 +190,5 @@ class DecisionServer:
         except asyncio.CancelledError:
             pass  # the server is shutting down; the connection closes below
         finally:
+            self.connections -= 1
             writer.close()

@@ -7,8 +7,10 @@ total of every replica) and takes that total as its view. So a replica sees the 
 sync interval late: with R replicas a limit can be overshot by about R x sync_s worth of traffic.
 
 Tokens are prompt tokens (estimated from the prompt's bytes) plus ``max_tokens`` at admission, and are
-corrected to what the backend's ``usage`` said when the request ends. Identities seen in a window are
-bounded (``MAX_IDENTITIES``): a client cannot grow this map by cycling addresses.
+corrected to what the backend's ``usage`` said when the request ends (Nginx asks vLLM for a stream's
+usage and strips it when the client did not ask). A request without ``max_tokens`` under a token
+limit is given one (``headroom``): it can never generate more than its key had left. Identities seen
+in a window are bounded (``MAX_IDENTITIES``): a client cannot grow this map by cycling addresses.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvgate.config import AuthConfig, LimitsConfig, Rate
 logger = logging.getLogger(__name__)
 WINDOW_S = 60.0
 MAX_IDENTITIES = 100_000
-DEFAULT_OUTPUT_TOKENS = 256  # a request without max_tokens is counted for this many until it ends
+DEFAULT_OUTPUT_TOKENS = 256  # a request without max_tokens and no token limit is counted for this many
 
 
 @dataclass(slots=True)
@@ -88,6 +90,20 @@ class RateLimiter:
             use.unsynced_requests += 1
             use.unsynced_tokens += tokens
         return None
+
+    def headroom(self, identities: list[str], now: float) -> float | None:
+        """Tokens left this window under the tightest token limit of ``identities`` (None: none of
+        them has one)."""
+        window = int(now // WINDOW_S)
+        left = None
+        for identity in identities:
+            limit = self.rate(identity).tokens_per_minute
+            if not limit:
+                continue
+            use = self._use.get(identity)
+            used = use.tokens if use is not None and use.window == window else 0.0
+            left = limit - used if left is None else min(left, limit - used)
+        return left
 
     def correct(self, identities: list[str], delta_tokens: float, now: float) -> None:
         """The request ended: its tokens were ``delta_tokens`` more (or fewer) than counted."""

@@ -8,12 +8,9 @@ interval. Without Redis, the sidecar keeps the membership it has and applies loc
 
 from __future__ import annotations
 
-import fnmatch
-import ipaddress
 import json
 import logging
 from collections.abc import Iterable
-from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -25,34 +22,31 @@ from kvgate.registry import Registry
 logger = logging.getLogger(__name__)
 
 
+def _address(spec: BackendSpec) -> tuple[str, int]:
+    host, _, port = spec.address.rpartition(":")
+    return host.lower(), int(port)
+
+
 class AddressPolicy:
-    """Which backend hosts may be routed to (``MembershipConfig``)."""
+    """Which backend addresses (host and port) may be routed to (``MembershipConfig``): the
+    ``allow`` rules, or without them exactly the config's backends; and the addresses this
+    sidecar's own discovery resolved, which are as trusted as the config that names them."""
 
     def __init__(self, config: MembershipConfig, configured: Iterable[BackendSpec]) -> None:
-        patterns = config.allow or tuple(sorted({urlsplit(b.url).hostname or "" for b in configured}))
-        self.patterns = patterns
-        # Addresses this sidecar resolved itself from its configured discovery names: as trusted as
-        # the config that names them.
-        self.discovered: set[str] = set()
-        self._networks = []
-        self._names = []
-        for p in patterns:
-            if "/" in p:
-                self._networks.append(ipaddress.ip_network(p, strict=False))
-            else:
-                self._names.append(p.lower())
+        self.rules = config.allow
+        self.configured = {_address(b) for b in configured}
+        self.discovered: set[tuple[str, int]] = set()
+
+    def describe(self) -> str:
+        return "membership.allow" if self.rules else "the configured and discovered backends"
 
     def allows(self, spec: BackendSpec) -> bool:
-        host = (urlsplit(spec.url).hostname or "").lower()
-        if host in self.discovered:
+        host, port = _address(spec)
+        if (host, port) in self.discovered:
             return True
-        if any(fnmatch.fnmatchcase(host, name) for name in self._names):
-            return True
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
-            return False
-        return any(ip in net for net in self._networks)
+        if not self.rules:
+            return (host, port) in self.configured
+        return any(rule.admits(host, port) for rule in self.rules)
 
 
 def _encode(spec: BackendSpec, draining: bool) -> str:
@@ -92,6 +86,7 @@ class Membership:
         self.local: dict[str, tuple[BackendSpec, bool]] = {}
         self.version: int | None = None
         self.discovered: set[str] = set()  # ids found through DNS (kvgate.discovery), by any source
+        self._found: dict[str, tuple[str, int]] = {}  # their addresses
 
     def _apply(self) -> None:
         self.registry.set_membership(self.local.values())
@@ -143,10 +138,10 @@ class Membership:
                 continue
             if not self.allowed(spec):
                 logger.error(
-                    "ignoring backend %s at %s from Redis: its host is not in membership.allow %s",
+                    "ignoring backend %s at %s from Redis: its address is not among %s",
                     spec.id,
                     spec.url,
-                    list(self.policy.patterns) if self.policy else [],
+                    self.policy.describe() if self.policy else "",
                 )
                 self.metrics.membership_rejected.inc()
                 continue
@@ -186,8 +181,10 @@ class Membership:
         now owns. Backends from the config or the admin API are never touched."""
         found_by_id = {s.id: s for s in found}
         self.discovered = (self.discovered - owned) | found_by_id.keys()
-        if self.policy is not None:
-            self.policy.discovered = {(urlsplit(s.url).hostname or "").lower() for s in found_by_id.values()}
+        self._found = {b: a for b, a in self._found.items() if b not in owned}
+        self._found.update({b: _address(s) for b, s in found_by_id.items()})
+        if self.policy is not None:  # what every discovery source found, trusted as the config is
+            self.policy.discovered = set(self._found.values())
         for bid in sorted(owned - found_by_id.keys()):
             logger.warning("backend %s is gone from DNS: removed", bid)
             await self.remove(bid)

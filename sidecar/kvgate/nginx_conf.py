@@ -39,7 +39,7 @@ class NginxSettings:
     workers: int = 2
     decision_timeout_ms: int = 50
     session_header: str = "X-Session-ID"
-    route_headers: bool = True
+    route_headers: bool = False
     max_tries: int = 3
     retry_statuses: tuple[int, ...] = RETRY_STATUSES
     connect_timeout_ms: int = 2000
@@ -54,6 +54,7 @@ class NginxSettings:
     lua_dir: str = str(LUA_DIR)  # where the gateway will find lua/kvgate/*.lua
     worker_user: str | None = None  # when Nginx starts as root: its workers' user (None: nobody)
     auth: bool = False  # check API keys (the config has some)
+    open_routes: tuple[str, ...] = ()  # with keys on, routes Nginx answers without one (models, metrics)
     catch_all: bool = True  # a `location /v1/` for the other /v1/ routes
     limits: bool = False  # rate limits apply
     queue: bool = False  # the gateway queue is on: a waiting request's client may go away
@@ -75,8 +76,10 @@ class NginxSettings:
         # What this Nginx will run, overrides included: a setting changed here is a mismatch too.
         runs = {k: taken[k] for k in gateway_settings(config)}
         runs["retry_statuses"] = list(runs["retry_statuses"])
+        runs["open_routes"] = list(runs["open_routes"])
         values = {"socket": config.listen.socket, **taken, "fingerprint": fingerprint(runs)}
         values["retry_statuses"] = tuple(values["retry_statuses"])
+        values["open_routes"] = tuple(values["open_routes"])
         return cls(**values)
 
 
@@ -93,6 +96,7 @@ CONFIGURE = """require("kvgate.gateway").configure({{
     token_timeout_ms = {token_timeout_ms},
     max_read_timeout_ms = {max_read_timeout_ms},
     auth = {auth},
+    open_routes = {open_routes},
     limits = {limits},
     queue = {queue},
     queue_heartbeat_ms = {queue_heartbeat_ms},
@@ -164,6 +168,7 @@ def render(
         "error_log": settings.error_log or f"{run_dir}/nginx-error.log",
         "user_directive": user_directive(settings.worker_user),
         "auth": "true" if settings.auth else "false",
+        "open_routes": "{ " + "".join(f"{r} = true, " for r in settings.open_routes) + "}",
         "limits": "true" if settings.limits else "false",
         "queue": "true" if settings.queue else "false",
         "queue_heartbeat_ms": str(settings.queue_heartbeat_ms),

@@ -21,7 +21,8 @@ sidecar -> Lua::
     {"pv":4,"i":id,"c":[[backend id,"host:port"],...],"r":route label,
      "pr":priority to write into the body (forwarded to vLLM),
      "pc":[[backend id,"host:port"],...] prefill candidates (disaggregated: c then decodes),
-     "fb":[ms,...] each candidate's first-byte timeout (kvgate.first_byte)}   a decision
+     "fb":[ms,...] each candidate's first-byte timeout (kvgate.first_byte),
+     "mt":max tokens to write into the body (a token limit's headroom; the request had none)}   a decision
     {"pv":4,"i":id,"q":1}   the request waits in the gateway queue: the same connection carries this
                             line again every heartbeat, then the decision or an error
     {"pv":4,"e":error code,"msg":text,"ra":retry after s}                an error
@@ -189,6 +190,7 @@ class DecisionReply:
     priority: int | None = None  # to write into the request body, for vLLM's priority scheduling
     prefill: tuple[Candidate, ...] = ()  # disaggregated: the prefill leg's candidates
     first_byte_ms: tuple[int, ...] = ()  # per candidate: how long a try waits for its first byte
+    max_tokens: int | None = None  # to write into the body: the request had none, a token limit applies
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,6 +439,8 @@ def encode_reply(reply: Reply) -> dict[str, Any]:
             out["pc"] = [[c.id, c.address] for c in reply.prefill]
         if reply.first_byte_ms:
             out["fb"] = list(reply.first_byte_ms)
+        if reply.max_tokens is not None:
+            out["mt"] = reply.max_tokens
         return out
     if isinstance(reply, QueuedReply):
         return {"pv": VERSION, "i": reply.decision_id, "q": 1}
@@ -480,6 +484,7 @@ def decode_reply(d: Mapping[str, Any]) -> Reply:
             d.get("pr"),
             tuple(Candidate(a, b) for a, b in prefill),
             tuple(int(ms) for ms in d.get("fb", ())),
+            d.get("mt"),
         )
     if "peers" in d:
         return PeersReply(

@@ -10,7 +10,9 @@ Order: lower priority value first (vLLM's sense), then by the configured order: 
 served, or shortest estimated prompt first with ageing (a request that waited ``ageing_s``, or
 ``ageing_fair_share`` times the wait first come first served would have given it, goes ahead of every
 younger one, in arrival order). Bounds: ``max_size`` waiting requests (past it a new one is
-refused) and ``max_wait_s`` (past it a waiting one is refused); both answers say when to retry.
+refused), ``max_key_share`` of them for one API key (so that one key cannot fill the queue and
+refuse everyone else), and ``max_wait_s`` (past it a waiting one is refused); every refusal says
+when to retry.
 
 Several replicas each run their own queue over the same backends. That they do not all pour into
 the slot one freed is the dispatch rule's business: each replica may keep only its share of a
@@ -32,9 +34,12 @@ RATE_HALF_LIFE_S = 10.0  # the dispatch-rate estimate behind Retry-After forgets
 
 
 class QueueFull(Exception):
-    def __init__(self, retry_after: int) -> None:
-        super().__init__("the gateway queue is full")
+    def __init__(self, retry_after: int, key: str | None = None) -> None:
+        super().__init__(
+            "the gateway queue is full" if key is None else f"{key}'s share of the queue is full"
+        )
         self.retry_after = retry_after
+        self.key = key  # the API key whose share is full, or None: the whole queue is
 
 
 class QueueTimeout(Exception):
@@ -61,6 +66,7 @@ class GatewayQueue:
         self.config = config
         self.clock = clock
         self._waiting: dict[str, Waiting] = {}
+        self._per_key: dict[str, int] = {}  # waiting requests of each API key
         self._rate = 0.0  # dispatches per second, smoothed
         self._last_dispatch: float | None = None
 
@@ -70,19 +76,44 @@ class GatewayQueue:
     def __contains__(self, decision_id: str) -> bool:
         return decision_id in self._waiting
 
+    def key_limit(self) -> int:
+        """Waiting requests one API key may hold."""
+        return max(1, math.floor(self.config.max_size * self.config.max_key_share))
+
     def add(self, w: Waiting) -> None:
         if len(self._waiting) >= self.config.max_size:
             raise QueueFull(self.retry_after())
+        key = w.features.client_key
+        if key is not None and self._per_key.get(key, 0) >= self.key_limit():
+            raise QueueFull(self.retry_after(), key)
         if self._rate > 0:
             w.fair_s = len(self._waiting) / self._rate
         self._waiting[w.decision_id] = w
+        if key is not None:
+            self._per_key[key] = self._per_key.get(key, 0) + 1
+
+    def _take(self, decision_id: str) -> Waiting | None:
+        """Where a waiting request leaves the queue, and its key's count comes down."""
+        w = self._waiting.pop(decision_id, None)
+        key = None if w is None else w.features.client_key
+        if key is not None:
+            left = self._per_key[key] - 1
+            if left:
+                self._per_key[key] = left
+            else:
+                del self._per_key[key]
+        return w
 
     def remove(self, decision_id: str) -> Waiting | None:
-        return self._waiting.pop(decision_id, None)
+        return self._take(decision_id)
+
+    def keys_waiting(self) -> int:
+        """API keys with requests waiting (bounded: it empties with the queue)."""
+        return len(self._per_key)
 
     def dispatched(self, w: Waiting) -> float:
         """``w`` leaves for a backend; returns how long it waited."""
-        self._waiting.pop(w.decision_id, None)
+        self._take(w.decision_id)
         now = self.clock()
         if self._last_dispatch is not None:
             gap = max(now - self._last_dispatch, 1e-6)
@@ -96,7 +127,7 @@ class GatewayQueue:
         limit = self.clock() - self.config.max_wait_s
         out = [w for w in self._waiting.values() if w.arrived <= limit]
         for w in out:
-            del self._waiting[w.decision_id]
+            self._take(w.decision_id)
         return out
 
     def in_order(self) -> list[Waiting]:

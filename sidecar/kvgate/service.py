@@ -111,8 +111,8 @@ class DecisionService:
     ) -> None:
         self.config = config
         self.limiter = limiter
-        # decision id -> (identities, tokens counted at admission), until the request ends
-        self._admitted: OrderedDict[str, tuple[list[str], int]] = OrderedDict()
+        # decision id -> (identities, tokens counted at admission, max_tokens given), until it ends
+        self._admitted: OrderedDict[str, tuple[list[str], int, int | None]] = OrderedDict()
         self.registry = registry
         self.sessions = sessions
         self.index = index
@@ -168,8 +168,8 @@ class DecisionService:
             waiting = Waiting(did, f, policy, priority, self.queue.clock(), f.est_tokens, future=live)
             try:
                 self.queue.add(waiting)
-            except QueueFull:
-                self.metrics.queue_rejected.labels("full").inc()
+            except QueueFull as full:
+                self.metrics.queue_rejected.labels("full" if full.key is None else "key_share").inc()
                 self._unadmit(did)
                 raise
             self.metrics.queue_depth.set(len(self.queue))
@@ -418,7 +418,7 @@ class DecisionService:
         """A request that never ran gives its admitted tokens back."""
         admitted = self._admitted.pop(did, None)
         if admitted is not None and self.limiter is not None:
-            identities, counted = admitted
+            identities, counted, _ = admitted
             self.limiter.correct(identities, -counted, time.time())
 
     def sizes(self) -> dict[str, int]:
@@ -432,6 +432,7 @@ class DecisionService:
             "admitted_bound": MAX_ADMITTED,
             "rate_limit_identities": len(self.limiter) if self.limiter is not None else 0,
             "queue_waiting": len(self.queue) if self.queue is not None else 0,
+            "queue_keys_waiting": self.queue.keys_waiting() if self.queue is not None else 0,
             "recent_decisions": len(self._recent),
             "models_learned": len(self.tokens.learned),
         }
@@ -455,21 +456,34 @@ class DecisionService:
         ]
 
     def _admit(self, did: str, f: Features) -> None:
-        """Count the request against its key's and its address's limits, or refuse it."""
+        """Count the request against its key's and its address's limits, or refuse it. Under a token
+        limit, a request without max_tokens is given one (what the limit has left after its prompt,
+        at most ``limits.default_max_tokens``), counted as such: no stream outruns its budget."""
         assert self.limiter is not None
         identities = ([f"key:{f.client_key}"] if f.client_key else []) + (
             [f"ip:{f.client_addr}"] if f.client_addr else []
         )
         if not identities:
             return
-        tokens = f.est_tokens + (f.max_tokens if f.max_tokens is not None else DEFAULT_OUTPUT_TOKENS)
-        retry = self.limiter.admit(identities, tokens, time.time())
+        now = time.time()
+        output, given = f.max_tokens, None
+        if output is None:
+            room = self.limiter.headroom(identities, now)
+            if room is not None:
+                output = given = max(1, min(self.config.limits.default_max_tokens, int(room) - f.est_tokens))
+        tokens = f.est_tokens + (output if output is not None else DEFAULT_OUTPUT_TOKENS)
+        retry = self.limiter.admit(identities, tokens, now)
         if retry is not None:
             self.metrics.rate_limited.labels(identities[0].partition(":")[0]).inc()
             raise RateLimited(retry)
-        self._admitted[did] = (identities, tokens)
+        self._admitted[did] = (identities, tokens, given)
         if len(self._admitted) > MAX_ADMITTED:
             self._admitted.popitem(last=False)
+
+    def given_max_tokens(self, did: str) -> int | None:
+        """The max_tokens admission gave this request (to write into its body), if any."""
+        admitted = self._admitted.get(did)
+        return None if admitted is None else admitted[2]
 
     def _learn_tokens(self, decision_id: str) -> None:
         """The backend has counted this request's prompt: its bytes go beside that count."""
@@ -484,7 +498,7 @@ class DecisionService:
         admitted = self._admitted.pop(o.decision_id, None)
         if admitted is None or o.prompt_tokens is None or o.completion_tokens is None:
             return
-        identities, counted = admitted
+        identities, counted, _ = admitted
         self.limiter.correct(identities, o.prompt_tokens + o.completion_tokens - counted, time.time())
 
     def keys(self) -> KeysReply:

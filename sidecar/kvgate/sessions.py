@@ -70,8 +70,10 @@ PRELOAD_SCAN = 1000  # keys per SCAN step of the preload (one MGET each)
 
 
 def _text(value: bytes | str) -> str:
-    """A Redis reply as text (the client returns bytes unless told to decode)."""
-    return value.decode() if isinstance(value, bytes) else str(value)
+    """A Redis reply as text (the client returns bytes unless told to decode). Anyone who can write
+    to Redis can write any bytes: what is not UTF-8 becomes text that names no backend (U+FFFD), so
+    the binding is treated as gone and rebound, never a crash of the decision."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 class Cached(NamedTuple):

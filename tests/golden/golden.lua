@@ -96,7 +96,7 @@ local function run_protocol()
             local fb = d.first_byte_ms or {}
             meaning = { kind = "decision", decision_id = d.id, candidates = pairs_, route = d.route,
                         n = #d.ids, priority = d.priority or null, prefill = prefill, np = #prefill,
-                        first_byte_ms = fb, nfb = #fb }
+                        first_byte_ms = fb, nfb = #fb, max_tokens = d.max_tokens or null }
         elseif case.wire.peers then
             local version, peers, known = protocol.peer_list(reply)
             local list = {}

@@ -67,6 +67,7 @@ REPLIES = [
         (Candidate("sim-1", "127.0.0.1:8002"), Candidate("sim-0", "127.0.0.1:8001")),
         "ring",
         first_byte_ms=(5000, 60000),
+        max_tokens=812,
     ),
     DecisionReply("1a2b.5f3c.43", (Candidate("vllm-a", "10.0.0.5:8000"),), "load/rebind-saturated"),
     DecisionReply("1a2b.5f3c.44", (), "no_backend"),
@@ -137,6 +138,7 @@ def reply(r: object) -> dict[str, object]:
             "priority": r.priority,
             "prefill": [list(c) for c in r.prefill],
             "first_byte_ms": list(r.first_byte_ms),
+            "max_tokens": r.max_tokens,
         }
     if isinstance(r, QueuedReply):
         return {"kind": "queued", "decision_id": r.decision_id}

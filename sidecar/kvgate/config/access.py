@@ -53,12 +53,19 @@ class ApiKey:
     priority: int | None = None  # the gateway queue's class for this key (vLLM's sense: lower first)
 
 
+OPEN_ROUTES = frozenset({"models", "metrics"})
+
+
 @dataclass(frozen=True, slots=True)
 class AuthConfig:
     """With keys configured, every request to the API needs ``Authorization: Bearer <key>`` with
     one of them; Nginx checks it even while the sidecar is away (it fails closed)."""
 
     keys: tuple[ApiKey, ...] = ()
+    # Routes Nginx answers itself that need no key even with keys on: "models" (/v1/models),
+    # "metrics" (/kvgate/metrics, for a Prometheus without credentials). /health and /kvgate/health
+    # are always open (probes).
+    open_routes: tuple[str, ...] = ()
 
     @property
     def enabled(self) -> bool:
@@ -67,7 +74,12 @@ class AuthConfig:
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> AuthConfig:
         w = "auth"
-        check_keys(d, w, {"keys", "keys_file"})
+        check_keys(d, w, {"keys", "keys_file", "open_routes"})
+        open_routes = d.get("open_routes") or []
+        if not isinstance(open_routes, list) or not set(open_routes) <= OPEN_ROUTES:
+            raise ConfigError(
+                f"{w}.open_routes: expected a list among {sorted(OPEN_ROUTES)}, got {open_routes!r}"
+            )
         entries = list(d.get("keys") or [])
         if d.get("keys_file") is not None:
             try:
@@ -96,7 +108,7 @@ class AuthConfig:
             keys.append(ApiKey(name, digest, rate, priority))
         if len({k.name for k in keys}) != len(keys) or len({k.sha256 for k in keys}) != len(keys):
             raise ConfigError(f"{w}.keys: names and keys must be distinct")
-        return cls(tuple(keys))
+        return cls(tuple(keys), tuple(sorted(set(open_routes))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +120,10 @@ class LimitsConfig:
     per_key: Rate = field(default_factory=Rate)
     per_client: Rate = field(default_factory=Rate)
     sync_s: float = 1.0
+    # A request without max_tokens under a token limit gets one (written into its body): this many,
+    # or what is left of the tightest limit after its prompt, and that much is counted at admission
+    # (OpenAI counts max_tokens so too), so no stream can outrun its key's budget.
+    default_max_tokens: int = 4096
 
     @property
     def enabled(self) -> bool:
@@ -116,9 +132,10 @@ class LimitsConfig:
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> LimitsConfig:
         w = "limits"
-        check_keys(d, w, {"per_key", "per_client", "sync_ms"})
+        check_keys(d, w, {"per_key", "per_client", "sync_ms", "default_max_tokens"})
         return cls(
             Rate.from_mapping(d.get("per_key"), f"{w}.per_key"),
             Rate.from_mapping(d.get("per_client"), f"{w}.per_client"),
             ms(d, w, "sync_ms", 1000, 50, 60_000),
+            integer(d, w, "default_max_tokens", 4096, 1, 10_000_000),
         )

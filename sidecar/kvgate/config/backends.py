@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import ipaddress
 import re
 from collections.abc import Mapping
@@ -73,13 +74,69 @@ class BackendSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class AllowRule:
+    """One ``membership.allow`` entry: a host (exact, or a ``*`` glob of names), or an IP network,
+    and the ports it admits (``port_lo``..``port_hi``)."""
+
+    host: str  # a lowercase name or glob, or "" for a network
+    network: ipaddress.IPv4Network | ipaddress.IPv6Network | None
+    port_lo: int
+    port_hi: int
+
+    def admits(self, host: str, port: int) -> bool:
+        if not self.port_lo <= port <= self.port_hi:
+            return False
+        if self.network is None:
+            return fnmatch.fnmatchcase(host, self.host)
+        try:
+            return ipaddress.ip_address(host) in self.network
+        except ValueError:
+            return False
+
+    @classmethod
+    def parse(cls, entry: str, where: str) -> AllowRule:
+        """``HOST:PORT``, ``HOST:LO-HI`` or ``HOST:*``, HOST a name, a glob, an IP or a CIDR block
+        (IPv6 in brackets: ``[fd00::/8]:8000``)."""
+        hint = (
+            f"{where}: {entry!r} must name a host and its ports, e.g. 10.0.0.5:8000, "
+            "10.0.0.0/8:8000-8010, *.svc.cluster.local:8000 or [fd00::/8]:8000 (:* for any port)"
+        )
+        if entry.startswith("["):
+            host, sep, rest = entry[1:].partition("]")
+            if not sep or not rest.startswith(":"):
+                raise ConfigError(hint)
+            ports = rest[1:]
+        else:
+            host, sep, ports = entry.rpartition(":")
+            if not sep or not host:
+                raise ConfigError(hint)
+        if ports == "*":
+            lo, hi = 1, 65535
+        else:
+            m = re.fullmatch(r"(\d{1,5})(?:-(\d{1,5}))?", ports)
+            if m is None:
+                raise ConfigError(hint)
+            lo = int(m.group(1))
+            hi = int(m.group(2) or lo)
+            if not 1 <= lo <= hi <= 65535:
+                raise ConfigError(f"{where}: {entry!r} has no valid port range (1-65535, low-high)")
+        if "/" in host:
+            try:
+                return cls("", ipaddress.ip_network(host, strict=False), lo, hi)
+            except ValueError:
+                raise ConfigError(f"{where}: {host!r} is not a CIDR block like 10.0.0.0/8") from None
+        return cls(host.lower(), None, lo, hi)
+
+
+@dataclass(frozen=True, slots=True)
 class MembershipConfig:
     """Which addresses a backend may have. Membership is shared through Redis, and anyone who can
-    write to that Redis could otherwise send prompts anywhere: entries whose host matches none of
-    ``allow`` (exact hosts or IPs, CIDR blocks, ``*`` globs) are ignored. Empty: the hosts of the
-    config's own backends."""
+    write to that Redis could otherwise send prompts anywhere: entries whose host and port match
+    none of ``allow`` are ignored. Each entry names a host and its ports (see ``AllowRule``): a
+    host alone would let a listener on any other port of that host capture traffic. Empty: exactly
+    the addresses of the config's own backends and of the ones its discovery finds."""
 
-    allow: tuple[str, ...] = ()
+    allow: tuple[AllowRule, ...] = ()
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> MembershipConfig:
@@ -88,15 +145,10 @@ class MembershipConfig:
         allow = d.get("allow") or []
         if not isinstance(allow, list) or not all(isinstance(a, str) and a for a in allow):
             raise ConfigError(
-                f"{w}.allow: expected a list of hosts, CIDR blocks or globs like *.svc.cluster.local"
+                f"{w}.allow: expected a list of HOST:PORT entries like 10.0.0.0/8:8000 or "
+                "*.svc.cluster.local:8000"
             )
-        for pattern in allow:
-            if "/" in pattern:
-                try:
-                    ipaddress.ip_network(pattern, strict=False)
-                except ValueError:
-                    raise ConfigError(f"{w}.allow: {pattern!r} is not a CIDR block like 10.0.0.0/8") from None
-        return cls(tuple(allow))
+        return cls(tuple(AllowRule.parse(a, f"{w}.allow[{i}]") for i, a in enumerate(allow)))
 
 
 # A DNS name: letters, digits, hyphens and dots (a headless Service's name in Kubernetes).

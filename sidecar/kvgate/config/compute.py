@@ -24,6 +24,7 @@ class QueueConfig:
 
     enabled: bool = False
     max_size: int = 1000  # waiting requests per replica; past it a request gets 429
+    max_key_share: float = 0.5  # of max_size, the most one API key may hold waiting (then its 429s)
     max_wait_s: float = 60.0  # a request that waited this long gets 429
     order: DispatchOrder = DispatchOrder.FCFS
     # shortest-first: a request that has waited this long goes ahead of every younger one, so no
@@ -51,6 +52,7 @@ class QueueConfig:
             {
                 "enabled",
                 "max_size",
+                "max_key_share",
                 "max_wait_ms",
                 "order",
                 "ageing_ms",
@@ -69,6 +71,7 @@ class QueueConfig:
         return cls(
             enabled=boolean(d, w, "enabled", False),
             max_size=integer(d, w, "max_size", 1000, 1, 1_000_000),
+            max_key_share=num(d, w, "max_key_share", 0.5, 0.001, 1.0),
             max_wait_s=ms(d, w, "max_wait_ms", 60_000, 10, 3_600_000),
             order=dispatch,
             ageing_s=ms(d, w, "ageing_ms", 75_000, 1, 3_600_000),

@@ -18,7 +18,9 @@ RETRY_STATUSES = (429, 500, 502, 503, 504)
 class GatewayConfig:
     """Nginx's side of kvgate, written into its config by ``kvgate render-nginx`` and ``kvgate up``."""
 
-    route_headers: bool = True  # X-Kvgate-Backend and X-Kvgate-Route: which backend served, and why
+    # X-Kvgate-Backend and X-Kvgate-Route: which backend served, and why. Off by default: they tell
+    # clients where each session lives (useful in a demo and for debugging, not for the public).
+    route_headers: bool = False
     decision_timeout_ms: int = 50  # the whole budget of one call to the sidecar, then fail-open
     # The wait for a response's first byte, per try (streams: also every later silence; see
     # lua/kvgate/conf.lua): the sidecar's budget for the request (``kvgate.first_byte``), margin x
@@ -61,7 +63,7 @@ class GatewayConfig:
                 "edge_access",
             },
         )
-        headers = d.get("route_headers", True)
+        headers = d.get("route_headers", False)
         if not isinstance(headers, bool):
             raise ConfigError(f"{w}.route_headers: expected true or false, got {headers!r}")
         size = str(d.get("client_max_body_size", "16m"))
