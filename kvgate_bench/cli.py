@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvgate import version
 from kvgate.config import PolicyName
 
 from kvgate_bench import live, report
@@ -90,6 +91,7 @@ def _main(argv: list[str]) -> int:
         code: int = module.main(argv[1:])
         return code
     p = argparse.ArgumentParser(prog="kvgate-bench", description=__doc__)
+    p.add_argument("--version", action="version", version=f"kvgate-bench {version()}")
     sub = p.add_subparsers(dest="mode", required=True)
     v = sub.add_parser(
         "virtual", help="replay in virtual time through kvgate's policies and simulated engines"

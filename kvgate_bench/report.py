@@ -26,6 +26,7 @@ class Sample:
     backend: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    error: str = ""  # why it failed, for the report (an HTTP status and the server's message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +238,8 @@ def plot_cdf(path: Path, cdfs: Mapping[str, Sequence[float]], title: str) -> Non
     ax.set_ylabel("fraction of requests")
     ax.set_title(f"TTFT CDF — {title}")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    if any(cdfs.values()):  # a run whose every request failed has no curve to name
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -29,6 +29,7 @@ from typing import Any
 from vllm_sim import tokenizer
 
 TRACE_BLOCK_TOKENS = 512
+SIM_MODEL = "sim-model"  # what the simulated fleets of virtual, compare and twin serve
 # The Mooncake conversation trace, shipped with the benchmark (traces/README.md: source, licence);
 # --trace takes any other in the same format.
 DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_conversation_trace.jsonl"
@@ -299,7 +300,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start", type=float, default=0.0, help="trace window start (s)")
     p.add_argument("--duration", type=float, default=None, help="trace window length (s)")
     p.add_argument("--limit", type=int, default=None, help="at most this many requests")
-    p.add_argument("--model", default="sim-model")
+    p.add_argument(
+        "--model", default=None, help=f"the model to ask for (live: the URL's first model; else {SIM_MODEL})"
+    )
     p.add_argument(
         "--arrivals",
         choices=["file", "spread"],
@@ -310,16 +313,15 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
     """The workload the command line of ``add_workload_args`` asks for."""
+    model = args.model or SIM_MODEL
     if args.workload == "trace":
         if not args.trace.exists():
             raise SystemExit(f"kvgate-bench: trace {args.trace} not found; pass --trace PATH")
-        return load_trace(
-            args.trace, args.start, args.duration, args.limit, args.model, args.arrivals == "spread"
-        )
+        return load_trace(args.trace, args.start, args.duration, args.limit, model, args.arrivals == "spread")
     if args.workload in ("chat", "chat-sessions"):
-        reqs = synthetic_chat(session_header=args.workload == "chat-sessions", model=args.model)
+        reqs = synthetic_chat(session_header=args.workload == "chat-sessions", model=model)
     elif args.workload == "reuse":
-        reqs = reuse_rich(reuse=args.reuse, rate=args.rate, model=args.model)
+        reqs = reuse_rich(reuse=args.reuse, rate=args.rate, model=model)
     else:
-        reqs = mixed(model=args.model)
+        reqs = mixed(model=model)
     return reqs[: args.limit] if args.limit else reqs

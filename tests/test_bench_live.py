@@ -19,8 +19,10 @@ pytestmark = pytest.mark.e2e
 def test_live_against_one_backend_reports_ttft_and_backend_hit_rate(
     stack: Supervisor, tmp_path: Path
 ) -> None:
+    """No --model: the run asks the URL which model it serves (here not the simulators' usual name,
+    as a real vLLM's would not be)."""
     port = free_ports(1)
-    stack.start_sim(port, 1, "sim", "--model", "sim-model", "--time-scale", "2")
+    stack.start_sim(port, 1, "sim", "--model", "served-here", "--time-scale", "2")
     url = f"http://127.0.0.1:{port}"
     code = main(
         [
@@ -48,6 +50,31 @@ def test_live_against_one_backend_reports_ttft_and_backend_hit_rate(
     assert row["requests"] == 30 and row["errors"] == 0
     assert 0.0 < row["ttft_p50"] < 5.0 and row["itl_mean"] > 0.005
     assert row["hit_rate"] > 0.3  # shared system prompts and growing conversations hit the cache
+
+
+def test_a_live_run_says_why_its_requests_failed(
+    stack: Supervisor, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A wrong --model used to end in 'errors 20' and nothing more: the reasons are printed."""
+    port = free_ports(1)
+    stack.start_sim(port, 1, "sim", "--model", "served-here")
+    url = f"http://127.0.0.1:{port}"
+    argv = [
+        "live",
+        "--workload",
+        "chat",
+        "--limit",
+        "5",
+        "--url",
+        url,
+        "--model",
+        "wrong",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "5 x HTTP 404: The model `wrong` does not exist" in err, err
 
 
 def test_compare_runs_each_kvgate_policy_on_fresh_backends(tmp_path: Path) -> None:

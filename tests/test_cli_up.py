@@ -89,6 +89,11 @@ def test_up_serves_the_demo_restarts_what_dies_and_down_stops_everything(tmp_pat
         )
         assert status == 200 and body["usage"]["completion_tokens"] <= 3
         assert len(http_json("GET", f"http://127.0.0.1:{sidecar}/v1/backends")[1]["backends"]) == 2
+        # The openai one-liner it prints runs as written (its interpreter, which has openai).
+        printed = (tmp_path / "up.log").read_text()
+        one_liner = printed[printed.index("  /") : printed.index("print(r.choices[0].message.content)'") + 36]
+        ran = subprocess.run(["bash", "-c", one_liner.strip()], capture_output=True, text=True, timeout=60)
+        assert ran.returncode == 0 and ran.stdout.strip(), (one_liner, ran.stderr)
         # The gateway runs at its own priority (3 here: a test may not be allowed below 0), Nginx's
         # workers included; what else the stack runs stays at the caller's.
         for pid in (pid_listening(sidecar), pid_listening(port)):
@@ -140,7 +145,8 @@ def test_up_serves_the_demo_restarts_what_dies_and_down_stops_everything(tmp_pat
 
 def test_up_with_a_config_as_written(tmp_path: Path) -> None:
     """`kvgate up --config` with what a user writes: a relative socket path (relative to where `up`
-    runs), the config's own admin token (kept, not replaced), and --sidecar-port (applied)."""
+    runs), the config's own admin token (kept, not replaced), --sidecar-port (applied), and a loopback
+    Redis that already runs (used, not started again: that failed on the busy port)."""
     from kvgate.tools.launcher import Supervisor
 
     work = tmp_path / "work"
@@ -149,6 +155,7 @@ def test_up_with_a_config_as_written(tmp_path: Path) -> None:
     sim = free_ports(2)
     sims.start_sim(sim, 2, "sim", "--model", "m")
     port, redis, sidecar = free_port(), free_port(), free_port()
+    sims.start_redis(redis)  # a Redis the user already runs there (Debian's own, say): it is used
     (work / "kvgate.yaml").write_text(
         f"""listen:
   socket: .run/kvgate-sidecar.sock
@@ -180,6 +187,7 @@ backends:
     )
     try:
         wait_until(lambda: "kvgate is up" in (tmp_path / "up.log").read_text(), timeout=40)
+        assert f"using the Redis already running on 127.0.0.1:{redis}" in (tmp_path / "up.log").read_text()
         assert (work / ".run" / "kvgate-sidecar.sock").exists()
         chat = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
         wait_until(lambda: http_json("POST", f"http://127.0.0.1:{port}/v1/chat/completions", chat)[0] == 200)
@@ -241,3 +249,11 @@ def test_up_on_a_busy_port_says_why_on_the_terminal(tmp_path: Path) -> None:
     for p in (sim, redis, sidecar):  # what it had started is stopped again
         with pytest.raises(OSError):
             http_json("GET", f"http://127.0.0.1:{p}/", timeout=1)
+
+
+@pytest.mark.parametrize("command", ["kvgate", "kvgate-bench", "vllm-sim"])
+def test_every_command_says_its_version(command: str) -> None:
+    done = subprocess.run(
+        [str(Path(KVGATE).parent / command), "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.startswith(command + " "), done.stdout + done.stderr

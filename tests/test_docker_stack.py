@@ -64,8 +64,13 @@ def test_the_gpu_override_swaps_the_simulators_for_vllm_with_prefix_caching() ->
     merged = compose_config("compose.yaml", "compose.vllm.yaml")
     services = merged["services"]
     assert services["sim"]["profiles"] == ["sim"]  # not started by default
-    sidecar_config = next(v for v in services["sidecar"]["volumes"] if "/etc/kvgate/kvgate.yaml" in str(v))
-    assert "kvgate.vllm.yaml" in str(sidecar_config)
+    for half in ("sidecar", "gateway"):  # one config for both halves
+        mounted = next(v for v in services[half]["volumes"] if "/etc/kvgate/kvgate.yaml" in str(v))
+        assert "kvgate.vllm.yaml" in str(mounted), half
+    # The gateway is not ready until a server has loaded its weights; what waits on its health
+    # (Prometheus, Grafana) must not give up first.
+    start = services["gateway"]["healthcheck"]["start_period"]
+    assert start in ("15m0s", "900s", 900, "15m"), start
     backends = yaml.safe_load((DOCKER / "kvgate.vllm.yaml").read_text())["backends"]
     for b in backends:
         svc = services[b["id"]]
@@ -118,7 +123,7 @@ def test_the_gateway_containers_start_renders_from_the_sidecars_config_outside_d
     config.pop("discovery")
     config["backends"] = [{"id": f"vllm-{i}", "url": f"http://127.0.0.1:{sim + i}"} for i in range(2)]
     config["redis"] = {"url": None}
-    config["membership"] = {"allow": ["127.0.0.1"]}
+    config.pop("membership")  # the pod network's; here the listed backends are the members
     config["listen"].update(socket=str(stack.run_dir / "sidecar.sock"), http_port=free_port())
     config["listen"]["metrics_port"] = free_port()
     config["auth"] = {"keys": [{"name": "team", "sha256": hash_key(key)}]}
@@ -206,6 +211,25 @@ def _dashboard_metrics() -> dict[str, str]:
             for name in re.findall(r"\b((?:kvgate_|vllm:)[A-Za-z0-9_:]+)", target["expr"]):
                 out[name] = panel["title"]
     return out
+
+
+def test_the_dashboard_imports_into_any_grafana_and_filters_by_backend_and_model() -> None:
+    """A datasource variable (no fixed uid: it imports into any Grafana) and backend and model
+    variables that every panel with such a label filters on."""
+    dash = json.loads((DOCKER / "grafana" / "dashboards" / "kvgate.json").read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert (
+        variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    )
+    assert {"backend", "model"} <= variables.keys()
+    for panel in dash["panels"]:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == "${datasource}"
+            for series in re.findall(r"vllm:[A-Za-z0-9_:]+(?:\{[^}]*\})?", target["expr"]):
+                assert 'model_name=~"$model"' in series, (panel["title"], series)
+            if re.search(r"by \([^)]*backend", target["expr"]) or "kvgate_backend_healthy" in target["expr"]:
+                assert 'backend=~"$backend"' in target["expr"], panel["title"]
 
 
 def test_every_grafana_panel_queries_a_metric_a_live_scrape_exports(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """deploy/kubernetes, checked without a cluster: every manifest passes Kubernetes' own schemas
 (kubernetes-validate, strict), and the pieces agree with each other and with the images: the
-sidecar's config parses with the Secret's variables, its socket is the one the gateway image's Nginx
-was rendered with, the probes name ports and routes that exist, the Service and the disruption budget
-select the pods, and discovery resolves the headless Service."""
+sidecar's config parses with the Secret's variables, both containers mount it (the gateway renders
+Nginx from it at start), the probes name ports and routes that exist, the Service, the disruption
+budget, the NetworkPolicy and the PodMonitor select the pods, discovery resolves the headless
+Service, and the pods are hardened."""
 
 from __future__ import annotations
 
@@ -99,3 +100,37 @@ def test_the_pieces_agree_with_each_other_and_with_the_images() -> None:
     assert d.dns == "vllm-headless" and d.port == headless["ports"][0]["port"]
     # Discovered pod addresses are allowed by the membership policy's network.
     assert config.membership.allow
+
+
+def test_the_pods_are_hardened_and_spread() -> None:
+    """No service-account token (kvgate never calls the API), read-only roots, numeric users, no
+    privilege escalation, replicas spread over nodes, and a NetworkPolicy that admits the gateway and
+    metrics ports only."""
+    m = manifests()
+    pod = m["Deployment/kvgate"]["spec"]["template"]
+    spec = pod["spec"]
+    assert spec["automountServiceAccountToken"] is False
+    assert {c["topologyKey"] for c in spec["topologySpreadConstraints"]} >= {"kubernetes.io/hostname"}
+    for c in spec["containers"]:
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] and sc["allowPrivilegeEscalation"] is False, c["name"]
+        assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+    for dockerfile in ("Dockerfile.gateway", "Dockerfile.python"):
+        users = [x for x in (ROOT / "docker" / dockerfile).read_text().splitlines() if x.startswith("USER ")]
+        assert users[-1].split()[1].split(":")[0].isdigit(), dockerfile
+    policy = m["NetworkPolicy/kvgate"]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    ports = {c["name"]: {p["containerPort"] for p in c.get("ports", [])} for c in spec["containers"]}
+    admitted = {p["port"] for rule in policy["ingress"] for p in rule["ports"]}
+    assert admitted == ports["gateway"] | ports["sidecar"]
+
+
+def test_the_podmonitor_scrapes_both_halves_on_ports_the_pod_names() -> None:
+    monitor = yaml.safe_load((K8S / "monitoring" / "podmonitor.yaml").read_text())
+    pod = manifests()["Deployment/kvgate"]["spec"]["template"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    named = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    endpoints = {(e["port"], e["path"]) for e in monitor["spec"]["podMetricsEndpoints"]}
+    assert (
+        endpoints == {("metrics", "/metrics"), ("http", "/kvgate/metrics")} and {"metrics", "http"} <= named
+    )

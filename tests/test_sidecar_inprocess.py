@@ -411,6 +411,15 @@ async def sidecar_app(redis_url: str | None) -> AsyncIterator[tuple[TestClient[A
             await inst.stop()
 
 
+def test_health_says_redis_is_off_when_none_is_configured_not_down() -> None:
+    async def scenario() -> None:
+        async with sidecar_app(None) as (client, _):
+            health = await (await client.get("/healthz")).json()
+            assert health["redis"] == "off" and health["status"] == "ok"
+
+    run(scenario())
+
+
 def test_http_api_serves_health_backends_models_and_decisions(redis_url: str) -> None:
     async def scenario() -> None:
         async with sidecar_app(redis_url) as (client, _):
@@ -418,6 +427,7 @@ def test_http_api_serves_health_backends_models_and_decisions(redis_url: str) ->
             assert (
                 health["status"] == "ok" and health["eligible_backends"] == 2 and health["pid"] == os.getpid()
             )
+            assert health["redis"] == "ok" and health["config"] == "unknown"  # no Nginx has asked yet
             backends = (await (await client.get("/v1/backends")).json())["backends"]
             assert [b["id"] for b in backends] == ["b0", "b1"] and all(b["load"]["known"] for b in backends)
             models = await (await client.get("/v1/models")).json()

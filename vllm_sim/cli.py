@@ -14,11 +14,12 @@ from vllm_sim.calibrate import calibrate, report
 from vllm_sim.engine import EngineConfig, SchedulingPolicy
 from vllm_sim.faults import Faults
 from vllm_sim.profiles import PROFILES, get_profile
-from vllm_sim.server import KEEP_ALIVE_S, ROLES, Instance, InstanceConfig
+from vllm_sim.server import KEEP_ALIVE_S, ROLES, VLLM_VERSION, Instance, InstanceConfig
 
 
 def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-sim", description="Simulated vLLM OpenAI-compatible servers.")
+    p.add_argument("--version", action="version", version=f"vllm-sim {_version()} (vLLM {VLLM_VERSION})")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--instances", type=int, default=1, help="serve N instances on port..port+N-1")
@@ -123,6 +124,15 @@ async def _serve(args: argparse.Namespace) -> None:
     await stop.wait()
     for inst in instances:
         await inst.stop()
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvgate")  # the simulator ships in kvgate's distribution
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -38,6 +38,7 @@ from kvgate.tokens import TokenEstimator
 
 logger = logging.getLogger(__name__)
 MODELS_EVERY = 20  # scrape rounds between /v1/models refreshes
+DRAIN_QUIET_S = 1.0  # SIGTERM: stop once no decision connection has been open this long
 
 REDIS = web.AppKey("redis", aioredis.Redis)
 SERVICE = web.AppKey("service", DecisionService)
@@ -45,6 +46,7 @@ REGISTRY = web.AppKey("registry", Registry)
 MEMBERSHIP = web.AppKey("membership", Membership)
 RELOAD: web.AppKey[Callable[[], Awaitable[None]]] = web.AppKey("reload")
 METRICS_APP = web.AppKey("metrics_app", web.Application)  # served on listen.metrics_port when set
+DECISIONS = web.AppKey("decisions", DecisionServer)  # the decision socket's server, once listening
 
 
 def redis_client(config: Config) -> aioredis.Redis | None:
@@ -214,6 +216,7 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
         server = DecisionServer(service, registry, core.agreement)
         Path(config.listen.socket).parent.mkdir(parents=True, exist_ok=True)
         await server.start(config.listen.socket, config.listen.socket_group)
+        app[DECISIONS] = server
         yield
         await server.stop()
 
@@ -252,10 +255,10 @@ async def serve(config: Config, config_path: str | Path | None = None) -> None:
         logger.warning(
             "kvgate sidecar: metrics on %s:%d", config.listen.metrics_host, config.listen.metrics_port
         )
-    stop = asyncio.Event()
+    stop, drain = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, drain.set)
     reloads: set[asyncio.Task[None]] = set()
 
     def on_hup() -> None:
@@ -265,10 +268,33 @@ async def serve(config: Config, config_path: str | Path | None = None) -> None:
 
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     try:
-        await stop.wait()
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(drain.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if drain.is_set() and not stop.is_set():
+            await _drain(app[DECISIONS], config.listen.drain_s, stop)
+        for t in waits:
+            t.cancel()
     finally:
         for r in reversed(runners):
             await r.cleanup()
+
+
+async def _drain(server: DecisionServer, limit_s: float, stop: asyncio.Event) -> None:
+    """SIGTERM: the Nginx in front may still be finishing its streams and deciding for requests that
+    arrive until it is gone (Kubernetes stops the pod's containers together; Nginx drains for its
+    own grace period). Keep serving until no connection to the decision socket has been open for
+    ``DRAIN_QUIET_S`` (Nginx has exited), at most ``limit_s``; SIGINT ends it at once."""
+    logger.warning("SIGTERM: serving decisions until the gateway has gone (at most %.0fs)", limit_s)
+    deadline = time.monotonic() + limit_s
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline and not stop.is_set():
+        if server.connections:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= DRAIN_QUIET_S:
+            break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.1)
+    logger.warning("drained: stopping")
 
 
 async def _safe_reload(app: web.Application) -> None:

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvgate import logs
+from kvgate import logs, version
 from kvgate.config import Config, ConfigError
 from kvgate.nginx_conf import LUA_DIR, NginxSettings, render
 
@@ -50,6 +50,23 @@ def cmd_render(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvgate: invalid config: {exc}", file=sys.stderr)
         return 2
+    if args.drop_in:
+        # The edge's own Lua access check must not be bypassed by kvgate's routes: read it first.
+        from kvgate.edge_check import EdgeError, check
+
+        if args.edge_conf is None:
+            print(
+                "kvgate: --drop-in needs --edge-conf FILE (the edge's nginx.conf): kvgate's routes "
+                "would replace an access_by_lua the edge has at server or http level, so it is "
+                "checked first",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            check(Path(args.edge_conf), config.gateway.edge_access)
+        except EdgeError as exc:
+            print(f"kvgate: refusing to render the drop-in: {exc}", file=sys.stderr)
+            return 2
     settings = NginxSettings.from_config(
         config,
         lua_dir=args.lua_dir,
@@ -89,22 +106,13 @@ def cmd_down(args: argparse.Namespace) -> int:
     return down(args)
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvgate")
-    except PackageNotFoundError:  # run from a checkout without installing
-        return "unknown"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         # The benchmark is a separate tool with its own dependencies: run it, do not import it.
         os.execv(sys.executable, [sys.executable, "-m", "kvgate_bench", *argv[1:]])
     p = argparse.ArgumentParser(prog="kvgate", description="Prefix-cache-aware gateway for vLLM fleets.")
-    p.add_argument("--version", action="version", version=f"kvgate {_version()}")
+    p.add_argument("--version", action="version", version=f"kvgate {version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("sidecar", help="run the routing sidecar")
     s.add_argument("--config", required=True)
@@ -155,6 +163,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--listen", default="127.0.0.1:8080")
     r.add_argument("--run-dir", default=str(RUN_DIR))
     r.add_argument("--drop-in", action="store_true", help="only the http{}/server{} include files")
+    r.add_argument(
+        "--edge-conf",
+        help="with --drop-in: the edge's nginx.conf, checked for Lua access handlers kvgate's routes "
+        "would bypass (required)",
+    )
     r.add_argument("--lua-dir", default=str(LUA_DIR), help="where Nginx will find lua/kvgate")
     r.add_argument(
         "--edge-lua",

@@ -114,7 +114,12 @@ class HttpApi:
             # Whether the Nginx in front was rendered from this config (unknown: none asked lately).
             "config": config,
             "config_fingerprint": self.agreement.fingerprint,
-            "redis": "ok" if self.service.sessions.redis_ok else "down",
+            # off: no Redis configured (one replica, sessions in memory), not a failure
+            "redis": "off"
+            if self.service.sessions.client is None
+            else "ok"
+            if self.service.sessions.redis_ok
+            else "down",
             "pid": os.getpid(),  # lets a launcher tell its own sidecar from a foreign one on the port
         }
         return web.json_response(body, status=200)
@@ -199,7 +204,10 @@ class HttpApi:
             return _error(400, str(exc))
         if not self.membership.allowed(spec):
             return _error(
-                400, f"backend host of {spec.url} is not in membership.allow", "invalid_request_error"
+                400,
+                f"backend address of {spec.url} is not in membership.allow (without it, only the "
+                "configured and discovered backends' addresses are)",
+                "invalid_request_error",
             )
         await self.membership.put(spec, False)
         return web.json_response({"added": spec.id}, status=201)

@@ -26,6 +26,9 @@ class ListenConfig:
     # Prometheus or a probe in another container or host. None: off.
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None
+    # SIGTERM: keep serving decisions until the Nginx in front has gone (no connection for 1 s), at
+    # most this long (as long as Nginx's own drain: a pod's termination grace period).
+    drain_s: float = 120.0
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any]) -> ListenConfig:
@@ -41,6 +44,7 @@ class ListenConfig:
                 "admin_token",
                 "metrics_host",
                 "metrics_port",
+                "drain_ms",
             },
         )
         host = str(d.get("http_host", "127.0.0.1"))
@@ -58,6 +62,7 @@ class ListenConfig:
             metrics_port=None
             if d.get("metrics_port") is None
             else integer(d, w, "metrics_port", 9101, 1, 65535),
+            drain_s=ms(d, w, "drain_ms", 120_000, 0, 3_600_000),
         )
 
 

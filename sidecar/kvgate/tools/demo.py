@@ -13,6 +13,7 @@ import argparse
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ def demo_config(
     return {
         "listen": {"socket": str(run_dir / "sidecar.sock"), "http_port": sidecar_port, "admin_token": token},
         "redis": {"url": f"redis://127.0.0.1:{redis_port}/0"},
+        "gateway": {"route_headers": True},  # the demo shows which backend served each request, and why
         "backends": [{"id": bid, "url": url} for bid, url in backends],
     }
 
@@ -49,6 +51,17 @@ def _local_redis_port(url: str | None) -> int | None:
     if url and (url.startswith("redis://127.0.0.1:") or url.startswith("redis://localhost:")):
         return int(url.rsplit(":", 1)[1].split("/")[0])
     return None
+
+
+def _answers_ping(port: int) -> bool:
+    """Whether a Redis (any server answering PING, even with an auth error) listens on the port."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            reply = s.recv(64)
+    except OSError:
+        return False
+    return reply.startswith((b"+PONG", b"-NOAUTH", b"-ERR"))
 
 
 DEFAULT_SIDECAR_PORT = 9100
@@ -121,7 +134,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     pid_file.write_text(str(os.getpid()))
     try:
         redis_port = _local_redis_port(config.redis.url)
-        if redis_port is not None:
+        if redis_port is not None and _answers_ping(redis_port):
+            # A Redis already runs there (Debian's own on 6379, say): use it, start none.
+            print(f"using the Redis already running on 127.0.0.1:{redis_port}")
+        elif redis_port is not None:
             print(f"starting redis-server on 127.0.0.1:{redis_port}")
             sup.start_redis(redis_port)
         if not args.config and args.real_vllm:
@@ -158,7 +174,7 @@ kvgate is up: gateway {base}  (sidecar API http://127.0.0.1:{config.listen.http_
   curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -H 'X-Session-ID: demo-1' \\
        -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}' -i
 
-  python -c 'import openai; c = openai.OpenAI(base_url="{base}/v1", api_key="unused"); \\
+  {sys.executable} -c 'import openai; c = openai.OpenAI(base_url="{base}/v1", api_key="unused"); \\
 r = c.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hi"}}]); \\
 print(r.choices[0].message.content)'
 

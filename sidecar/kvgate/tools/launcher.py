@@ -407,8 +407,10 @@ class Supervisor:
         self.stop(name, signal.SIGKILL)
 
     def stop_all(self) -> None:
+        """Everything, in reverse start order (Nginx before its sidecar), at once: SIGINT, which a
+        sidecar takes as "stop now" (SIGTERM makes it serve until its Nginx has gone)."""
         for name in reversed(list(self.procs)):
-            self.stop(name)
+            self.stop(name, signal.SIGINT)
 
     def alive(self) -> dict[str, bool]:
         return {n: p.poll() is None for n, p in self.procs.items()}
