@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from kvgate.config import Config
+from kvgate.config import Config, hash_key
 from kvgate.nginx_conf import NginxSettings
 from kvgate.tools.launcher import (
     Replica,
@@ -49,6 +49,9 @@ from kvgate_bench import fuzz, report
 
 MODEL = "sim-model"
 OK, BY_DESIGN, FAILED = "ok", "failed by design", "failed"
+# The stack checks API keys: the load's key, a key under a token limit, and one that floods the queue.
+LOAD_KEY, LIMITED_KEY, FLOOD_KEY = "sk-fault-load-000001", "sk-fault-limited-0002", "sk-fault-flood-00003"
+LIMITED_TOKENS = 1500  # the limited key's tokens a minute
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +62,7 @@ class Result:
     detail: str = ""
 
 
-def one_stream(port: int, n: int, session: str | None = None) -> Result:
+def one_stream(port: int, n: int, session: str | None = None, key: str = LOAD_KEY) -> Result:
     """One streaming chat request over a fresh connection, classified."""
     body = {
         "model": MODEL,
@@ -68,7 +71,7 @@ def one_stream(port: int, n: int, session: str | None = None) -> Result:
         "stream": True,
         "ignore_eos": True,
     }
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
     if session:
         headers["X-Session-ID"] = session
     t0 = time.monotonic()
@@ -142,6 +145,11 @@ class Stack:
     redis_port: int
     replica: Replica
     supervising: threading.Event = field(default_factory=threading.Event)
+    # What a scenario's attacker saw (tokens a limited key got, connections a rogue listener got),
+    # by scenario name: the faults' own promises, beside the load's score.
+    observed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _attack: list[threading.Thread] = field(default_factory=list)
+    _attacking: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
     def start(
@@ -167,6 +175,20 @@ class Stack:
             },
             "scrape": {"interval_ms": 200, "timeout_ms": 150, "stale_after_ms": 1000, "unhealthy_after": 2},
             "outlier": {"base_ejection_ms": 2000},
+            "auth": {
+                "keys": [
+                    {"name": "load", "sha256": hash_key(LOAD_KEY)},
+                    {
+                        "name": "limited",
+                        "sha256": hash_key(LIMITED_KEY),
+                        "rate": {"tokens_per_minute": LIMITED_TOKENS},
+                    },
+                    {"name": "flood", "sha256": hash_key(FLOOD_KEY)},
+                ]
+            },
+            "limits": {"sync_ms": 200},
+            # The queue takes a flood of long prompts; one key may hold half of it.
+            "queue": {"enabled": True, "max_size": 32, "max_key_share": 0.5, "max_wait_ms": 30_000},
             # A smaller index reaches its bound within minutes: memory growth after that is a leak.
             "routing": {} if prefix_index_blocks is None else {"prefix_index_blocks": prefix_index_blocks},
             "backends": [{"id": f"sim-{i}", "url": f"http://127.0.0.1:{sim + i}"} for i in range(backends)],
@@ -314,6 +336,121 @@ def _slow_probes(stack: Stack) -> None:
         stack.fault(i, metrics="slow", metrics_delay_ms=1000, health_delay_ms=1000)
 
 
+def _attack(stack: Stack, name: str, target: Callable[[], None], threads: int = 1) -> None:
+    """Run ``target`` in a loop on ``threads`` threads until the scenario heals (``_calm``)."""
+    stack._attacking.clear()
+
+    def loop() -> None:
+        while not stack._attacking.is_set():
+            target()
+
+    stack._attack = [threading.Thread(target=loop, daemon=True, name=name) for _ in range(threads)]
+    for t in stack._attack:
+        t.start()
+
+
+def _calm(stack: Stack) -> None:
+    stack._attacking.set()
+    for t in stack._attack:
+        t.join(60)
+    stack._attack = []
+
+
+def _stream_tokens(port: int, key: str, body: dict[str, Any]) -> tuple[int, int]:
+    """(status, words streamed) of one stream with ``key``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({**body, "stream": True}),
+            {"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        )
+        resp = conn.getresponse()
+        text = resp.read().decode(errors="replace")
+    except (OSError, http.client.HTTPException):
+        return 0, 0
+    finally:
+        conn.close()
+    words = 0
+    for line in text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:]).get("choices", []):
+                words += len(((c.get("delta") or {}).get("content") or "").split())
+    return resp.status, words
+
+
+def _token_limit_attack(stack: Stack) -> None:
+    """A key limited to LIMITED_TOKENS a minute streams without max_tokens, from two clients back to
+    back: it gets at most its budget in any minute, then 429s; the load is not touched."""
+    seen = stack.observed.setdefault("stream token limit", {"tokens_by_minute": {}, "statuses": {}})
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "a long story " * 20}],
+        "ignore_eos": True,
+    }
+
+    def one() -> None:
+        minute = str(int(time.time() // 60))  # the window it is admitted in
+        status, words = _stream_tokens(stack.port, LIMITED_KEY, body)
+        seen["tokens_by_minute"][minute] = seen["tokens_by_minute"].get(minute, 0) + words
+        seen["statuses"][str(status)] = seen["statuses"].get(str(status), 0) + 1
+        if status != 200:
+            time.sleep(0.2)
+
+    _attack(stack, "limited-key", one, threads=2)
+
+
+def _rogue_port(stack: Stack) -> None:
+    """A listener on another port of the backends' own host registers itself through Redis; it
+    must never be adopted (no connection ever reaches it)."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(0.2)
+    seen = stack.observed.setdefault("rogue backend port", {"connections": 0})
+    r = redis.Redis(port=stack.redis_port, socket_timeout=5)
+    entry = {"id": "rogue", "url": f"http://127.0.0.1:{listener.getsockname()[1]}", "weight": 100.0}
+    r.hset("kvgate:backends", "rogue", json.dumps({**entry, "labels": {}, "draining": False}))
+    r.incr("kvgate:backends:v")
+    r.close()
+
+    def accept() -> None:
+        try:
+            conn, _ = listener.accept()
+            conn.close()
+            seen["connections"] += 1
+        except OSError:
+            if stack._attacking.is_set():
+                listener.close()
+
+    _attack(stack, "rogue-listener", accept)
+
+
+def _rogue_gone(stack: Stack) -> None:
+    _calm(stack)
+    r = redis.Redis(port=stack.redis_port, socket_timeout=5)
+    r.hdel("kvgate:backends", "rogue")
+    r.incr("kvgate:backends:v")
+    r.close()
+
+
+def _queue_flood(stack: Stack) -> None:
+    """One key sends long prompts from 24 clients at once: they saturate the backends and fill its
+    share of the gateway queue (its excess is refused by name, by design); the load's key still gets
+    in, waits its turn, and is served."""
+    seen = stack.observed.setdefault("queue flood", {"statuses": {}})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "flood " * 9000}], "max_tokens": 4}
+
+    def one() -> None:
+        status, _ = _stream_tokens(stack.port, FLOOD_KEY, body)
+        seen["statuses"][str(status)] = seen["statuses"].get(str(status), 0) + 1
+
+    _attack(stack, "flood", one, threads=24)
+
+
 def _restart_redis(stack: Stack) -> None:
     stack.sup.start_redis(stack.redis_port, "redis", "--enable-debug-command", "local")
 
@@ -368,6 +505,9 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("slow redis", _slow_redis, _noop, self_healing=True),
         Scenario("all backends down", _all_down, lambda st: st.heal(), total_outage=True),
         Scenario("backend added and removed", _add_and_remove, _noop, self_healing=True),
+        Scenario("stream token limit", _token_limit_attack, _calm),
+        Scenario("rogue backend port", _rogue_port, _rogue_gone),
+        Scenario("queue flood", _queue_flood, _calm),
         Scenario("five nginx reloads", _reloads, _noop, self_healing=True, replaces_gateway=True),
         Scenario("client abort storm", _abort_storm, _noop, self_healing=True),
     ]
@@ -514,7 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             scores.append(s)
             print(table([s]).splitlines()[-1], flush=True)
         if args.fuzz:
-            extra["fuzz"] = asdict(fuzz.run(stack.port, args.fuzz))
+            extra["fuzz"] = asdict(fuzz.run(stack.port, args.fuzz, key=LOAD_KEY))
             print(f"fuzz: {extra['fuzz']}", flush=True)
         if args.soak:
             extra["soak"] = soak(stack, args.soak, args.concurrency)

@@ -96,10 +96,12 @@ def corpus(n: int, seed: int = 1) -> Iterator[Case]:
         yield families[i % len(families)](i)
 
 
-def _raw(case: Case) -> bytes:
+def _raw(case: Case, key: str | None = None) -> bytes:
     headers = dict(case.headers)
     has_ct = any(k.lower() == b"content-type" for k in headers)
     lines = [b"POST " + case.path.encode() + b" HTTP/1.1", b"Host: fuzz", b"Connection: close"]
+    if key is not None:  # a gateway with API keys: the hostile bytes are the body's, not the key's
+        lines.append(b"Authorization: Bearer " + key.encode())
     if not has_ct:
         lines.append(b"Content-Type: application/json")
     body = case.body
@@ -121,9 +123,9 @@ class FuzzResult:
     examples: list[str] = field(default_factory=list)
 
 
-def send(port: int, case: Case) -> tuple[int, bytes, bytes]:
+def send(port: int, case: Case, key: str | None = None) -> tuple[int, bytes, bytes]:
     with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
-        s.sendall(_raw(case))
+        s.sendall(_raw(case, key))
         data = b""
         while chunk := s.recv(65536):
             data += chunk
@@ -141,7 +143,7 @@ def send(port: int, case: Case) -> tuple[int, bytes, bytes]:
     return status, head, body
 
 
-def run(port: int, n: int, concurrency: int = 8, seed: int = 1) -> FuzzResult:
+def run(port: int, n: int, concurrency: int = 8, seed: int = 1, key: str | None = None) -> FuzzResult:
     result = FuzzResult()
     statuses: Counter[int] = Counter()
     cases = list(corpus(n, seed))
@@ -156,7 +158,7 @@ def run(port: int, n: int, concurrency: int = 8, seed: int = 1) -> FuzzResult:
                 return
             i, case = item
             try:
-                status, _, body = send(port, case)
+                status, _, body = send(port, case, key)
             except (OSError, ValueError, IndexError) as exc:
                 with lock:
                     result.transport_errors += 1

@@ -36,11 +36,21 @@ def test_fault_under_load(stack: faults.Stack, name: str) -> None:
         assert s.failed_by_design > 0  # the cut streams were seen, and scored as what they are
     if name == "all backends down":
         assert s.failed_by_design > 0 and s.recover_s is not None
+    seen = stack.observed.get(name, {})
+    if name == "stream token limit":  # the attacker got at most its budget in any minute, then 429s
+        assert seen["tokens_by_minute"] and max(seen["tokens_by_minute"].values()) <= faults.LIMITED_TOKENS, (
+            seen
+        )
+        assert seen["statuses"].get("429", 0) > 0, seen
+    if name == "rogue backend port":
+        assert seen["connections"] == 0, seen
+    if name == "queue flood":  # the flood's excess was refused by name; the load above lost nothing
+        assert seen["statuses"].get("429", 0) > 0, seen
 
 
 def test_fuzz_corpus(stack: faults.Stack) -> None:
     """A short version: every family of the corpus, 150 times (kvgate-bench faults sends 12,000)."""
-    result = fuzz.run(stack.port, 3_000)
+    result = fuzz.run(stack.port, 3_000, key=faults.LOAD_KEY)
     assert result.requests == 3_000
     assert result.server_errors == 0 and result.non_json_errors == 0 and result.transport_errors == 0, result
     assert set(result.statuses) <= {"200", "400", "404", "413", "415", "422"}, result.statuses
