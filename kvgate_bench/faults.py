@@ -653,6 +653,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             s = run_scenario(stack, sc, args.concurrency, args.before, args.hold, args.after)
             scores.append(s)
             print(table([s]).splitlines()[-1], flush=True)
+            if name in stack.observed:  # what the scenario's attacker saw
+                print(f"  {name}: {json.dumps(stack.observed[name])}", flush=True)
         if args.fuzz:
             extra["fuzz"] = asdict(fuzz.run(stack.port, args.fuzz, key=LOAD_KEY))
             print(f"fuzz: {extra['fuzz']}", flush=True)
@@ -667,7 +669,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "report.md").write_text(md + "\n")
     report.write_json(
         out / "report.json",
-        {"header": report.header(["faults", *(argv or [])]), "scores": [asdict(s) for s in scores], **extra},
+        {
+            "header": report.header(["faults", *(argv or [])]),
+            "scores": [asdict(s) for s in scores],
+            "observed": stack.observed,
+            **extra,
+        },
     )
     return 0
 
