@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import os
 import signal
@@ -438,17 +439,21 @@ def _rogue_gone(stack: Stack) -> None:
 
 
 def _queue_flood(stack: Stack) -> None:
-    """One key sends long prompts from 24 clients at once: they saturate the backends and fill its
+    """One key sends long prompts from 40 clients at once: they saturate the backends and fill its
     share of the gateway queue (its excess is refused by name, by design); the load's key still gets
-    in, waits its turn, and is served."""
+    in, waits its turn, and is served. Each prompt opens with its own words, as a flood meant to
+    hurt would: one prompt sent again and again is a prefix-cache hit after the first, costs the
+    backends almost nothing, and whether the key's share overflowed would depend on the machine."""
     seen = stack.observed.setdefault("queue flood", {"statuses": {}})
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "flood " * 9000}], "max_tokens": 4}
+    sent = itertools.count()
 
     def one() -> None:
+        content = f"flood {next(sent)} {os.getpid()} " + "flood " * 9000
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
         status, _ = _stream_tokens(stack.port, FLOOD_KEY, body)
         seen["statuses"][str(status)] = seen["statuses"].get(str(status), 0) + 1
 
-    _attack(stack, "flood", one, threads=24)
+    _attack(stack, "flood", one, threads=40)
 
 
 def _restart_redis(stack: Stack) -> None:
