@@ -31,7 +31,7 @@ from kvgate.sidecar import build_sidecar
 from kvgate_bench.report import Sample, Summary, summarize
 from kvgate_bench.workloads import TRACE_BLOCK_TOKENS, BenchRequest
 from vllm_sim.engine import Engine, EngineConfig, Request, SchedulingPolicy, TokenEvent
-from vllm_sim.kv_cache import BLOCK_SIZE, block_hashes
+from vllm_sim.kv_cache import block_hashes
 from vllm_sim.profiles import Profile
 
 T = TypeVar("T")
@@ -330,8 +330,9 @@ def replay(
 def pooled_cache_ideal(requests: Sequence[BenchRequest], backends: int, profile: Profile) -> list[int]:
     """Cached tokens per request under one LRU cache holding every backend's KV capacity: what perfect
     routing could at best approach. Trace requests are counted in their 512-token blocks, leading
-    blocks only (the trace's own yardstick); chat requests in vLLM's 16-token chained blocks."""
-    capacity_tokens = backends * (profile.num_gpu_blocks - 1) * BLOCK_SIZE
+    blocks only (the trace's own yardstick); chat requests in the profile's chained blocks (vLLM's
+    16 tokens on GPUs)."""
+    capacity_tokens = backends * (profile.num_gpu_blocks - 1) * profile.block_size
     lru: OrderedDict[Any, None] = OrderedDict()
     out = []
     for r in sorted(requests, key=lambda x: x.arrival):
@@ -340,8 +341,8 @@ def pooled_cache_ideal(requests: Sequence[BenchRequest], backends: int, profile:
             keys: list[Any] = list(r.blocks)
             sizes = [min(unit, r.prompt_tokens - k * unit) for k in range(len(keys))]
         else:
-            unit = BLOCK_SIZE
-            keys = block_hashes(r.prompt_ids())
+            unit = profile.block_size
+            keys = block_hashes(r.prompt_ids(), block_size=unit)
             sizes = [unit] * len(keys)
         hit = 0
         for k, size in zip(keys, sizes, strict=True):

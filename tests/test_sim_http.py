@@ -555,6 +555,12 @@ def test_a_client_that_goes_away_mid_stream_is_an_abort_not_an_error(tmp_path: P
         # 400 tokens each take seconds; a client's disconnect ends its engine request at once
         wait_until(lambda: http_json("GET", url + "/sim/info")[1]["running"] == 0, timeout=1)
         assert http_json("GET", url + "/health")[0] == 200
+        # ... and, as in vLLM, is not counted as a finished request of any reason
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            success = [
+                ln for ln in r.read().decode().splitlines() if ln.startswith("vllm:request_success_total")
+            ]
+        assert success and all(ln.endswith(" 0.0") for ln in success), success
     finally:
         s.stop_all()
     log = (tmp_path / "run" / "sim.log").read_text()

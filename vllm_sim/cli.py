@@ -16,6 +16,19 @@ from vllm_sim.faults import Faults
 from vllm_sim.profiles import PROFILES, get_profile
 from vllm_sim.server import KEEP_ALIVE_S, ROLES, VLLM_VERSION, Instance, InstanceConfig
 
+PROFILE_HELP = (
+    f"one of {', '.join(sorted(PROFILES))}, or a calibration's JSON file (python -m vllm_real.calibrate)"
+)
+
+
+def _profile(name: str) -> str:
+    """The name, once it names a profile that loads (argparse turns the error into a usage line)."""
+    try:
+        get_profile(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
 
 def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-sim", description="Simulated vLLM OpenAI-compatible servers.")
@@ -24,7 +37,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--instances", type=int, default=1, help="serve N instances on port..port+N-1")
     p.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
-    p.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
+    p.add_argument("--profile", default="llama3-8b-h100", type=_profile, help=PROFILE_HELP)
     p.add_argument("--time-scale", type=float, default=1.0, help="divide every simulated duration by S")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-gpu-blocks", type=int)
@@ -139,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "calibrate":
         p = argparse.ArgumentParser(prog="vllm-sim calibrate")
-        p.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
+        p.add_argument("--profile", default="llama3-8b-h100", type=_profile, help=PROFILE_HELP)
         a = p.parse_args(argv[1:])
         profile = get_profile(a.profile)
         checks = calibrate(profile)

@@ -1,6 +1,7 @@
 """Paged KV cache with automatic prefix caching, as vLLM V1's BlockPool / KVCacheManager do it.
 
-* Blocks of ``BLOCK_SIZE`` tokens. Block 0 is vLLM's null block, so ``num_gpu_blocks - 1`` are usable
+* Blocks of ``block_size`` tokens (the profile's; ``BLOCK_SIZE`` by default, vLLM's on GPUs). Block 0
+  is vLLM's null block, so ``num_gpu_blocks - 1`` are usable
   and usage is ``1 - free / (num_gpu_blocks - 1)``.
 * A full block's hash chains its parent's hash and its token ids, so it identifies the whole prefix.
   Only full blocks are hashed and cached.
@@ -14,11 +15,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = 16  # vLLM's default on GPUs; a profile may set its own (128 on CPU)
 NONE_HASH = 0  # parent hash of the first block; cache_salt is mixed in by the caller
 
 
-def block_hashes(tokens: Sequence[int], start: int = 0, parent: int | None = None) -> list[int]:
+def block_hashes(
+    tokens: Sequence[int], start: int = 0, parent: int | None = None, block_size: int = BLOCK_SIZE
+) -> list[int]:
     """Chained hashes of the full blocks of ``tokens`` from block index ``start`` on.
 
     ``parent`` is the hash of block ``start - 1`` (or the salted root hash when ``start == 0``).
@@ -26,9 +29,9 @@ def block_hashes(tokens: Sequence[int], start: int = 0, parent: int | None = Non
     """
     out: list[int] = []
     h = NONE_HASH if parent is None else parent
-    n_full = len(tokens) // BLOCK_SIZE
+    n_full = len(tokens) // block_size
     for i in range(start, n_full):
-        h = hash((h, tuple(tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])))
+        h = hash((h, tuple(tokens[i * block_size : (i + 1) * block_size])))
         out.append(h)
     return out
 

@@ -17,7 +17,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from vllm_sim.engine import FINISH_REASONS, Engine
-from vllm_sim.kv_cache import BLOCK_SIZE
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -104,7 +103,7 @@ class _EngineCollector(Collector):
             ),
         )
         info.add_metric(
-            [str(BLOCK_SIZE), "auto", "True", "0", "0.9", "0", str(cfg.num_gpu_blocks), "sha256"], 1.0
+            [str(e.block_size), "auto", "True", "0", "0.9", "0", str(cfg.num_gpu_blocks), "sha256"], 1.0
         )
         yield info
         lag = GaugeMetricFamily(

@@ -3,6 +3,12 @@
 A step of the engine (one forward pass over the continuous batch) lasts
 
     t0 + alpha * prefill_tokens + beta * decode_seqs + gamma * context_tokens / 1000
+       + delta * prefill_attention / 1000
+
+where ``prefill_attention`` sums, over the prefill chunks of the step, chunk tokens x the context
+they attend to (the chunk's start plus half of it): attention's quadratic share of a prefill. It is
+small beside the weights on a GPU at 8B scale (delta 0 in those profiles) and the largest cost of a
+tiny model on a CPU, where a calibration measures it.
 
 Every constant comes from the published figures collected in the vLLM contract (§4 and §7); the
 ``targets`` are the figures ``vllm-sim calibrate`` checks the model against, each with its source.
@@ -10,7 +16,10 @@ Every constant comes from the published figures collected in the vLLM contract (
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,13 +43,18 @@ class Profile:
     max_num_seqs: int
     max_model_len: int
     targets: tuple[Target, ...]
+    block_size: int = 16  # tokens per KV block (vLLM: 16 on GPUs, 128 on CPU)
+    delta_s: float = 0.0  # per prefill token per 1,000 tokens of context it attends to
 
-    def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+    def step_time(
+        self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_attention: float = 0.0
+    ) -> float:
         return (
             self.t0_s
             + self.alpha_s * prefill_tokens
             + self.beta_s * decode_seqs
             + self.gamma_s * context_tokens / 1000.0
+            + self.delta_s * prefill_attention / 1000.0
         )
 
 
@@ -100,7 +114,24 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (LLAMA3_8B_H100, LLAMA3_8B_A1
 
 
 def get_profile(name: str) -> Profile:
+    """A built-in profile by name, or one a calibration wrote (a path to its JSON file)."""
+    if name.endswith(".json"):
+        return load_profile(Path(name))
     try:
         return PROFILES[name]
     except KeyError:
         raise ValueError(f"unknown profile {name!r}; choose one of {', '.join(sorted(PROFILES))}") from None
+
+
+def load_profile(path: Path) -> Profile:
+    """A profile measured on a real server (``python -m vllm_real.calibrate``): its fields, its
+    measurements kept beside them as the targets."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read profile {path}: {exc}") from None
+    fields = {f.name for f in dataclasses.fields(Profile)} - {"targets"}
+    try:
+        return Profile(**{k: v for k, v in data.items() if k in fields}, targets=())
+    except TypeError as exc:
+        raise ValueError(f"profile {path} lacks a field: {exc}") from None

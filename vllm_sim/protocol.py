@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm_sim import tokenizer
-from vllm_sim.kv_cache import BLOCK_SIZE
 
 
 class ApiError(Exception):
@@ -78,6 +77,7 @@ class KvTransfer:
     remote_prefill: bool
     remote_engine_id: str | None = None
     remote_num_tokens: int | None = None  # prompt tokens whose KV the prefiller holds
+    remote_blocks: int = 0  # its KV blocks (the count, when remote_num_tokens is absent)
 
 
 def parse_kv_transfer(raw: Any) -> KvTransfer | None:
@@ -103,7 +103,7 @@ def parse_kv_transfer(raw: Any) -> KvTransfer | None:
         )
     if num is not None and (isinstance(num, bool) or not isinstance(num, int) or num < 0):
         raise ApiError(400, "kv_transfer_params.remote_num_tokens must be a count of tokens")
-    return KvTransfer(False, True, engine, num if num is not None else len(blocks) * BLOCK_SIZE)
+    return KvTransfer(False, True, engine, num, len(blocks))
 
 
 def _int_field(body: Mapping[str, Any], name: str, minimum: int) -> int | None:

@@ -18,7 +18,6 @@ from aiohttp import web
 from vllm_sim import apis, protocol, tokenizer
 from vllm_sim.engine import Engine, EngineConfig, Request, SchedulingPolicy, TokenEvent
 from vllm_sim.faults import Faults
-from vllm_sim.kv_cache import BLOCK_SIZE
 from vllm_sim.metrics import CONTENT_TYPE, InstanceMetrics
 from vllm_sim.realtime import INTERNAL_ERROR, EngineLoop
 
@@ -256,7 +255,12 @@ class Instance:
             )
         if kv.remote_prefill and role == "prefill":
             raise protocol.ApiError(400, "This is a prefill instance: it does not decode a remote prefill.")
-        return min(kv.remote_num_tokens or 0, prompt_len) if kv.remote_prefill else 0
+        if not kv.remote_prefill:
+            return 0
+        held = kv.remote_num_tokens
+        if held is None:  # older prefillers name only their blocks
+            held = kv.remote_blocks * self.engine.block_size
+        return min(held, prompt_len)
 
     def _kv_transfer_params(self, req: Request) -> dict[str, Any]:
         """What vLLM's NixlConnector returns when a prefill leg finishes: where the decoder reads the
@@ -265,7 +269,7 @@ class Instance:
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": list(range(1, req.prompt_len // BLOCK_SIZE + 1)),
+            "remote_block_ids": list(range(1, req.prompt_len // self.engine.block_size + 1)),
             "remote_engine_id": self.engine_id,
             "remote_host": host,
             "remote_port": port,
