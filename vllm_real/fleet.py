@@ -42,10 +42,15 @@ class ServerSpec:
 
     num_gpu_blocks: int | None = 256  # KV blocks of BLOCK_SIZE tokens (None: VLLM_CPU_KVCACHE_SPACE)
     max_model_len: int = MAX_MODEL_LEN
+    # vLLM's defaults on CPU, stated so that a calibration knows them: tokens prefilled per step
+    # (chunked prefill) and requests in one batch.
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
     scheduling_policy: str = "fcfs"  # or "priority"
     kv_events_port: int | None = None  # a ZMQ PUB publisher of KV-cache events on this port
     kv_events_replay_port: int | None = None  # its ROUTER replay socket
     kv_role: str | None = None  # NixlConnector: kv_producer | kv_consumer | kv_both
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache and other dev routes
     extra: tuple[str, ...] = ()
 
     def argv(self, port: int, venv: Path = VENV, model_dir: Path = MODEL_DIR) -> list[str]:
@@ -63,6 +68,10 @@ class ServerSpec:
             "float32",
             "--max-model-len",
             str(self.max_model_len),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
             "--scheduling-policy",
@@ -158,6 +167,8 @@ class Fleet:
             name = f"{prefix}-{len(self.names)}"
             nixl = service_port() if spec.kv_role is not None else None
             argv, env = spec.argv(port), server_env(nixl)
+            if spec.dev_mode:
+                env["VLLM_SERVER_DEV_MODE"] = "1"
             proc = self.sup.spawn(name, argv, env)
             url = f"http://127.0.0.1:{port}"
             started.append((proc, url))

@@ -3,8 +3,9 @@
 No weights can be fetched here, and none are needed: kvgate routes on what a server does with a
 prompt (prefill, prefix cache, queueing, streaming), not on what the model says. So the model is a
 Llama with random weights from a fixed seed (2 layers, hidden 128, 4 heads, 2 KV heads, float32,
-32k positions) and its tokenizer a byte-level BPE of 1,024 tokens trained on text generated from a
-fixed seed, with a ChatML chat template. Output is gibberish; send ``"ignore_eos": true`` to get
+32k positions) and its tokenizer a byte-level BPE of 4,096 tokens trained on text generated from a
+fixed seed (mostly the benchmark's vocabulary, vllm_real/vocabulary.py, so that each of its words is
+one token), with a ChatML chat template. Output is gibberish; send ``"ignore_eos": true`` to get
 exactly ``max_tokens`` tokens.
 
 Runs with the fleet's own interpreter (``.vllm-venv/bin/python vllm_real/model.py --out DIR``): it
@@ -20,26 +21,38 @@ import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script by the fleet's Python
+from vllm_real.vocabulary import WORDS
+
 SEED = 20261203
-VOCAB = 1024
+VOCAB = 4096
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-SYLLABLES = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "fa", "gu", "shi", "zen", "wor", "ld"]
+
+
+ENGLISH = (
+    "the of and to in is that it for on was with as by at be this from or an are not have had were but "
+    "can all will one would there their what so up out if about who get which go me when make like time "
+    "no just him know take people into year your good some could them see other than then now look only "
+    "come its over think also back after use two how our work first well way even new want because any "
+    "these give day most us model token cache prefix block route node load question answer"
+).split()
 
 
 def sentences(n: int, seed: int) -> list[str]:
-    """English-like text: words of 1-4 syllables, punctuation, digits. Deterministic for a seed."""
+    """Text to train the tokenizer on: mostly the benchmark's vocabulary (vllm_real.vocabulary), so
+    that each of its words is one token, some English, digits and punctuation. Deterministic."""
     rng = random.Random(seed)
-    words = ["".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
-    words += ["the", "a", "of", "and", "to", "in", "is", "you", "that", "it", "question", "answer"]
     out = []
     for _ in range(n):
-        line = " ".join(rng.choice(words) for _ in range(rng.randint(5, 30)))
+        pool = WORDS if rng.random() < 0.8 else ENGLISH
+        line = " ".join(rng.choice(pool) for _ in range(rng.randint(5, 30)))
         out.append(line.capitalize() + rng.choice([".", "?", "!", ","]) + f" {rng.randint(0, 9999)}")
     return out
 
@@ -57,7 +70,7 @@ def build_tokenizer(out: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(sentences(20_000, SEED), trainer=trainer)
+    tok.train_from_iterator(sentences(60_000, SEED), trainer=trainer)
     tok.save(str(out / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

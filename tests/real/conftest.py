@@ -13,7 +13,6 @@ cores the servers share.
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +27,7 @@ from kvgate.nginx_conf import NginxSettings
 from kvgate.tools.launcher import Replica, Supervisor, free_port, launch_replica
 
 from vllm_real.fleet import BLOCK_SIZE, MODEL, Fleet, ServerSpec, service_port
+from vllm_real.vocabulary import filler_words
 
 BLOCKS = 160  # 20,480 tokens of KV cache per server: more than one 16k prompt, less than a few
 GATEWAY_NICE = -10  # ahead of the servers on the shared cores (see kvgate up --gateway-nice)
@@ -159,30 +159,22 @@ def round_robin(fleet: RealFleet) -> Iterator[Gateway]:
 
 
 # -- prompts in the tiny model's tokens -----------------------------------------------------------
-WORDS = re.findall(r"\w+", "kamilo nesu tari podefa gushi zenwor ldka question answer the of and to in is")
-
-
 class Tokens:
-    """Prompts of a wanted length in the served model's tokens. The text's tokens per word is
-    measured once with a server's /tokenize (steady for this text), so that building a prompt needs
-    no server later (one may be down)."""
+    """Prompts of a wanted length in the served model's tokens, written in the vocabulary its
+    tokenizer was trained on (one word, one token: ``vllm_real.vocabulary``). The ratio is measured
+    once with a server's /tokenize, so that building a prompt needs no server later (one may be
+    down)."""
 
     def __init__(self, url: str) -> None:
-        probe = self._words(400, 0)
+        probe = filler_words("probe", 400)
         status, _, body = post(url + "/tokenize", {"model": MODEL, "prompt": " ".join(probe)})
         assert status == 200, body
         self.per_word = int(body["count"]) / len(probe)
-
-    @staticmethod
-    def _words(n: int, seed: int) -> list[str]:
-        import random
-
-        rng = random.Random(seed)
-        return [f"{rng.choice(WORDS)}{rng.randint(0, 99)}" for _ in range(n)]
+        assert 0.9 < self.per_word < 1.2, self.per_word  # the tokenizer knows the vocabulary
 
     def text(self, tokens: int, seed: int) -> str:
         """Text of about ``tokens`` tokens, distinct per seed."""
-        return " ".join(self._words(max(1, int(tokens / self.per_word)), seed))
+        return " ".join(filler_words(f"real-{seed}", max(1, int(tokens / self.per_word))))
 
 
 @pytest.fixture(scope="session")
