@@ -76,7 +76,9 @@ def one_stream(port: int, n: int, session: str | None = None, key: str = LOAD_KE
     if session:
         headers["X-Session-ID"] = session
     t0 = time.monotonic()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=15)
+    # A patient client (the openai SDK waits 600 s): a stream that met a hung backend is moved on
+    # after the stream's floor (gateway.first_byte_stream_min_ms, 30 s), and must then be served.
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
         resp = conn.getresponse()
@@ -162,6 +164,21 @@ class Stack:
         trace_memory: bool = False,
     ) -> Stack:
         sup = Supervisor(run_dir)
+        try:
+            return cls._start(sup, backends, prefix_index_blocks, local_sessions, trace_memory)
+        except BaseException:
+            sup.stop_all()  # a stack that failed to start leaves no process behind
+            raise
+
+    @classmethod
+    def _start(
+        cls,
+        sup: Supervisor,
+        backends: int,
+        prefix_index_blocks: int | None,
+        local_sessions: int | None,
+        trace_memory: bool,
+    ) -> Stack:
         sim = free_ports(backends)
         sup.start_sim(sim, backends, "sim", "--model", MODEL, "--seed", "7")
         redis_port = free_port()

@@ -217,6 +217,31 @@ def test_a_stream_retried_after_a_failed_candidate_is_not_taken_for_cut(phase: P
     assert end["s"] == 200 and "c" not in end
 
 
+def test_a_short_budget_moves_a_json_request_on_but_never_cuts_a_stream(stack: Supervisor) -> None:
+    """The sidecar's first-byte budget (here 100 ms) is the whole read timeout of a JSON try: the slow
+    backend is left for the next candidate. A stream's headers come at once, so past them the same
+    timeout would only cut the stream at its first silence (the prefill, 0.3 s here; on a busy real
+    vLLM 5-7 s): a stream's try waits at least first_byte_stream_min_ms."""
+    p = Phase(stack, first_byte_timeout_ms=3000, first_byte_stream_min_ms=1000)
+    try:
+
+        def answer(names: tuple[str, ...]) -> Any:
+            cands = [[n, p.addr(n)] for n in names]
+            return lambda msg: {"i": msg["i"], "c": cands, "r": "ring", "fb": [100] * len(cands)}
+
+        p.sidecar.answer = answer(("slow", "ok-a"))
+        t0 = time.monotonic()
+        status, headers, _ = p.post()
+        assert status == 200 and headers["X-Kvgate-Backend"] == "ok-a"
+        assert time.monotonic() - t0 < 2.0  # 0.1 s + 1 token x 0.1 s there, not the slow one's 3 s
+        p.sidecar.answer = answer(("stream",))
+        status, headers, body = p.post({**CHAT, "stream": True})
+        assert status == 200 and headers["X-Kvgate-Backend"] == "stream"
+        assert body.count(b"data: ") == 6 and b"closed the stream" not in body, body
+    finally:
+        p.sidecar.close()
+
+
 def test_a_late_decision_is_dropped_and_the_request_falls_open(phase: Phase) -> None:
     """A sidecar that answers after the 50 ms budget may have counted the request: Nginx reports the
     decision it did not use as dropped, so the count ends."""

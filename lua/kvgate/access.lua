@@ -28,6 +28,7 @@ local tostring   = tostring
 local pairs      = pairs
 local ipairs     = ipairs
 local math_floor = math.floor
+local math_max   = math.max
 local math_min   = math.min
 local str_find   = string.find
 local str_match  = string.match
@@ -144,7 +145,8 @@ end
 
 -- How long each try may wait for the response's next byte (see conf.lua), in seconds, one per
 -- candidate: the sidecar's first-byte budget for that backend (never above Nginx's own ceiling), else
--- the ceiling; a JSON response comes whole, so it also waits for the tokens it asked for.
+-- the ceiling; a stream at least first_byte_stream_min_ms; a JSON response comes whole, so it also
+-- waits for the tokens it asked for.
 local function read_timeouts(body, n, budgets)
     local ceiling = conf.first_byte_timeout_ms
     local stream = body.stream == true
@@ -155,7 +157,9 @@ local function read_timeouts(body, n, budgets)
     local out = {}
     for i = 1, n do
         local ms = budgets and math_min(budgets[i], ceiling) or ceiling
-        if not stream then
+        if stream then
+            ms = math_max(ms, math_min(conf.first_byte_stream_min_ms, ceiling))
+        else
             -- No token count: the longest wait.
             ms = type(tokens) == "number" and math_min(conf.max_read_timeout_ms, ms + tokens * conf.token_timeout_ms)
                  or conf.max_read_timeout_ms

@@ -21,6 +21,9 @@ local _M = {
     -- queueing and prefill included. A JSON response comes whole at the end: each requested token
     -- adds token_timeout_ms, up to max_read_timeout_ms.
     first_byte_timeout_ms = 60000,
+    -- ... but past a stream's headers (vLLM sends them at once) the timeout only bounds the stream's
+    -- silences, which a busy server can stretch to seconds: a stream's try waits at least this long.
+    first_byte_stream_min_ms = 30000,
     token_timeout_ms = 100,
     max_read_timeout_ms = 600000,
     max_body = "16m",                           -- client_max_body_size, named in the 413 message

@@ -38,6 +38,7 @@ def gateway_settings(config: Config) -> dict[str, Any]:
         "route_headers": g.route_headers,
         "decision_timeout_ms": g.decision_timeout_ms,
         "first_byte_timeout_ms": g.first_byte_timeout_ms,
+        "first_byte_stream_min_ms": g.first_byte_stream_min_ms,
         "token_timeout_ms": g.token_timeout_ms,
         "max_read_timeout_ms": g.max_read_timeout_ms,
         "client_max_body_size": g.client_max_body_size,

@@ -45,6 +45,7 @@ class NginxSettings:
     connect_timeout_ms: int = 2000
     upstream_keepalive_timeout: str = "4s"  # below the backends' idle close (vLLM: 5 s)
     first_byte_timeout_ms: int = 60_000  # per try; streams: also every later silence (see conf.lua)
+    first_byte_stream_min_ms: int = 30_000  # a stream's try waits at least this (at most the ceiling)
     token_timeout_ms: int = 100  # JSON responses: added per requested token to the first-byte wait
     max_read_timeout_ms: int = 600_000
     client_max_body_size: str = "16m"
@@ -93,6 +94,7 @@ CONFIGURE = """require("kvgate.gateway").configure({{
     max_body = "{client_max_body_size}",
     connect_timeout_ms = {connect_timeout_ms},
     first_byte_timeout_ms = {first_byte_timeout_ms},
+    first_byte_stream_min_ms = {first_byte_stream_min_ms},
     token_timeout_ms = {token_timeout_ms},
     max_read_timeout_ms = {max_read_timeout_ms},
     auth = {auth},
@@ -156,6 +158,7 @@ def render(
         "connect_timeout_ms": str(settings.connect_timeout_ms),
         "upstream_keepalive_timeout": settings.upstream_keepalive_timeout,
         "first_byte_timeout_ms": str(settings.first_byte_timeout_ms),
+        "first_byte_stream_min_ms": str(settings.first_byte_stream_min_ms),
         "token_timeout_ms": str(settings.token_timeout_ms),
         "max_read_timeout_ms": str(settings.max_read_timeout_ms),
         "client_max_body_size": settings.client_max_body_size,

@@ -29,6 +29,11 @@ class GatewayConfig:
     first_byte_timeout_ms: int = 60_000
     first_byte_min_ms: int = 5_000  # (at most the ceiling)
     first_byte_margin: float = 4.0
+    # A stream's try never waits less than this (at most the ceiling): vLLM sends a stream's headers
+    # at once, so past them the timeout no longer moves the request on, it only cuts the stream: on
+    # busy real vLLM servers streams had their headers and no token within a 5-7 s budget
+    # (docs/real-vllm.md). A stream cut there is worse than a slow one.
+    first_byte_stream_min_ms: int = 30_000
     token_timeout_ms: int = 100  # JSON responses come whole: each requested token adds this much
     max_read_timeout_ms: int = 600_000
     client_max_body_size: str = "16m"
@@ -55,6 +60,7 @@ class GatewayConfig:
                 "first_byte_timeout_ms",
                 "first_byte_min_ms",
                 "first_byte_margin",
+                "first_byte_stream_min_ms",
                 "token_timeout_ms",
                 "max_read_timeout_ms",
                 "client_max_body_size",
@@ -92,6 +98,9 @@ class GatewayConfig:
             first_byte_timeout_ms=first_byte,
             first_byte_min_ms=floor,
             first_byte_margin=num(d, w, "first_byte_margin", 4.0, 1.0, 100.0),
+            first_byte_stream_min_ms=min(
+                first_byte, integer(d, w, "first_byte_stream_min_ms", 30_000, 100, 3_600_000)
+            ),
             token_timeout_ms=integer(d, w, "token_timeout_ms", 100, 0, 60_000),
             max_read_timeout_ms=integer(d, w, "max_read_timeout_ms", 600_000, 100, 86_400_000),
             client_max_body_size=size,
