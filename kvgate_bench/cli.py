@@ -80,6 +80,7 @@ OWN_PARSERS = {
     "sim-capacity": ("kvgate_bench.sim_capacity", "how many simulated instances this machine keeps on time"),
     "twin": ("kvgate_bench.twin", "live against virtual on the same window, repeated"),
     "levers": ("kvgate_bench.levers", "each compute-scheduling lever alone and together, in virtual time"),
+    "real-vs-sim": ("kvgate_bench.real_vs_sim", "calibrate the simulator on a real vLLM, then both fleets"),
 }
 
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,17 +35,21 @@ from kvgate.tools.launcher import (
     free_ports,
     get_json,
     launch_replica,
+    prioritise,
     wait_listening,
     wait_ready,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_bench import levers, report, virtual
+from kvgate_bench.cpu import RunCpu, wait_quiet
 from kvgate_bench.report import Progress, Sample, Summary
 from kvgate_bench.workloads import SIM_MODEL, BenchRequest, add_workload_args, build_workload
 
 MAX_SEND_LAG_S = 0.05  # wall: p99 lateness of the client's sends
 MAX_STEP_LAG = 0.05  # simulators' lost time / scheduled step time
+SERVER_NICE = 5  # real fleet: the servers' CPU priority below the router's and the client's
+CLIENT_NICE = -5  # real fleet: the load generator's
 PEER_VENV = Path(__file__).resolve().parents[1] / ".bench-venv"  # beside the checkout's .venv
 KVGATE_POLICIES = ["round_robin", "least_load", "consistent_hash", "prefix", "kvgate"]
 # ``kvgate:POLICY+VARIANT`` runs the gateway with more of its configuration on (sections merged into
@@ -211,6 +217,7 @@ def summarize_live(
     time_scale: float,
     speedup: float,
     gateway: Sequence[float] = (),
+    cpu: RunCpu | None = None,
     **extra: Any,
 ) -> Summary:
     s = time_scale
@@ -238,7 +245,11 @@ def summarize_live(
         problems.append(f"client send lag p99 {run.send_lag_p99 * 1000:.0f} ms")
     if step_lag > MAX_STEP_LAG:
         problems.append(f"simulator step lag {step_lag:.1%}")
+    if cpu is not None and cpu.problem():
+        problems.append(str(cpu.problem()))
     note = "; ".join(problems) or f"send lag p99 {run.send_lag_p99 * 1000:.1f} ms, step lag {step_lag:.1%}"
+    if cpu is not None:
+        note += f"; {cpu.describe()}"
     if gateway:
         extra["gateway_ttft_p50"] = report.pct(gateway, 0.5) * s
         extra["gateway_ttft_mean"] = sum(gateway) / len(gateway) * s
@@ -338,37 +349,46 @@ def run_target(
     reqs: Sequence[BenchRequest],
     out: Path,
     peer_cpus: str | None = None,
+    real: Sequence[str] = (),
 ) -> tuple[Summary, list[float]]:
-    """One live run: fresh simulated backends (clean caches), ``target`` in front of them, the
-    workload at ``speedup``. Returns its summary and its TTFTs (simulated seconds)."""
+    """One live run: fresh simulated backends (clean caches), or the real fleet ``real`` with its
+    prefix caches reset; ``target`` in front of them, the workload at ``speedup``. Returns its
+    summary and its TTFTs (simulated seconds)."""
     sup = Supervisor(out / "run" / target.replace(":", "-"))
+    cpu = None
     try:
-        port = free_ports(args.backends)
-        # One process per backend, as vLLM runs one API server per instance: a burst's parsing and
-        # tokenization for one backend does not hold up the others' engines.
-        for i in range(args.backends):
-            sup.start_sim(
-                port + i,
-                1,
-                f"sim-{i}",
-                "--model",
-                args.model,
-                "--profile",
-                args.profile,
-                "--time-scale",
-                str(args.time_scale),
-                "--seed",
-                str(i),
-            )
-        workers = [f"http://127.0.0.1:{port + i}" for i in range(args.backends)]
+        if real:
+            workers = list(real)
+            reset_caches(workers)
+        else:
+            port = free_ports(args.backends)
+            # One process per backend, as vLLM runs one API server per instance: a burst's parsing
+            # and tokenization for one backend does not hold up the others' engines.
+            for i in range(args.backends):
+                sup.start_sim(
+                    port + i,
+                    1,
+                    f"sim-{i}",
+                    "--model",
+                    args.model,
+                    "--profile",
+                    args.profile,
+                    "--time-scale",
+                    str(args.time_scale),
+                    "--seed",
+                    str(i),
+                )
+            workers = [f"http://127.0.0.1:{port + i}" for i in range(args.backends)]
         url = start_target(sup, target, workers, args.time_scale, peer_cpus)
-        lr = asyncio.run(
-            run_live(url, reqs, speedup * args.time_scale, workers, Progress(f"{target} x{speedup:g}"))
-        )
+        with RunCpu(proc.pid for proc in sup.procs.values()) as used:
+            lr = asyncio.run(
+                run_live(url, reqs, speedup * args.time_scale, workers, Progress(f"{target} x{speedup:g}"))
+            )
+        cpu = used if real else None
         gw = gateway_ttfts(sup.run_dir / "nginx-access.log")
     finally:
         sup.stop_all()
-    row = summarize_live(target, lr, args.time_scale, speedup, gw)
+    row = summarize_live(target, lr, args.time_scale, speedup, gw, cpu)
     gw_note = (
         f"(gateway p50 {row.gateway_ttft_p50:.3f}s vs client {row.ttft_p50:.3f}s) "
         if row.gateway_ttft_p50 is not None
@@ -381,6 +401,8 @@ def run_target(
         f"{'' if row.valid else 'INVALID ' + row.note}",
         file=sys.stderr,
     )
+    if row.errors:
+        print(f"    errors: {errors_by_reason(lr.samples)}", file=sys.stderr)
     return row, [s.ttft * args.time_scale for s in lr.samples if s.ok]
 
 
@@ -406,10 +428,64 @@ def add_parsers(sub: Any) -> None:
         "--repeats", type=int, default=1, help="runs of each target (the report shows the spread)"
     )
     cp.add_argument("--peer-cpus", help="taskset CPU list for the peer routers, e.g. 1")
+    cp.add_argument(
+        "--real-vllm",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N real vLLM servers (make real-vllm: the CPU build, the tiny model) as the fleet, started "
+        "once, their prefix caches reset before each run (real time: --time-scale is 1); prompts in "
+        "the words the tiny model tokenizes one to one",
+    )
+    cp.add_argument(
+        "--real-blocks",
+        type=int,
+        default=256,
+        help="--real-vllm: KV blocks (of 128 tokens) per server",
+    )
     cp.add_argument("--out", default="bench-results/compare")
 
 
+@contextlib.contextmanager
+def real_fleet(args: argparse.Namespace, out: Path) -> Iterator[list[str]]:
+    """``compare --real-vllm N``: N real vLLM servers for every run (nothing without the option)."""
+    if not getattr(args, "real_vllm", 0):
+        yield []
+        return
+    from vllm_real.fleet import Fleet, ServerSpec
+
+    # The servers run at a lower CPU priority than the router under test and the load generator: on a
+    # shared host their engines' spinning would otherwise take the cores a router needs to answer in
+    # time. Each run then checks that the router took no more than its share (RunCpu).
+    # The load generator itself goes ahead of everything: its few percent of a core must send each
+    # request on time, or the lateness counts against the router (client send lag).
+    prioritise(os.getpid(), CLIENT_NICE)
+    sup = Supervisor(
+        out / "run" / "real-vllm", nice={f"vllm-{i}": SERVER_NICE for i in range(args.real_vllm)}
+    )
+    try:
+        # Dev mode: POST /reset_prefix_cache, so that no run starts with another's cache.
+        spec = ServerSpec(dev_mode=True, num_gpu_blocks=getattr(args, "real_blocks", 256))
+        yield Fleet(sup).start([spec] * args.real_vllm)
+    finally:
+        sup.stop_all()
+
+
+def reset_caches(urls: Sequence[str]) -> None:
+    """Each server's prefix cache emptied and its last run's work drained: every run starts cold."""
+    wait_quiet()
+    for url in urls:
+        req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
+
+
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if getattr(args, "real_vllm", 0):
+        from vllm_real.fleet import MAX_MODEL_LEN, MODEL
+
+        args.model, args.time_scale, args.words = args.model or MODEL, 1.0, "vocab"
+        args.max_context = args.max_context or MAX_MODEL_LEN  # longer ones vLLM refuses (400)
     if args.model is None:
         args.model = served_model(args.url) if args.mode == "live" else SIM_MODEL
         print(f"model: {args.model}", file=sys.stderr)  # compare starts simulators serving it
@@ -443,20 +519,22 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     rows: list[Summary] = []
     cdfs: dict[str, list[float]] = {}
     out = Path(args.out)
-    for speedup in args.speedups:
-        for repeat in range(args.repeats):
-            for target in targets:
-                try:
-                    row, ttfts = run_target(args, target, speedup, reqs, out, args.peer_cpus)
-                except (OSError, RuntimeError, TimeoutError) as exc:
-                    notes.append(f"{target} x{speedup:g} failed to run: {exc}")
-                    print(notes[-1], file=sys.stderr)
-                    continue
-                rows.append(row)
-                if speedup == args.speedups[0] and repeat == 0:
-                    cdfs[target] = ttfts
-    path = report.write(
-        out, f"live compare, {args.workload}, {args.backends} backends", head, rows, cdfs, notes
-    )
+    with real_fleet(args, out) as real:
+        if real:
+            notes.append(f"fleet: {len(real)} real vLLM servers (CPU build, tiny model), in real time")
+        for speedup in args.speedups:
+            for repeat in range(args.repeats):
+                for target in targets:
+                    try:
+                        row, ttfts = run_target(args, target, speedup, reqs, out, args.peer_cpus, real)
+                    except (OSError, RuntimeError, TimeoutError) as exc:
+                        notes.append(f"{target} x{speedup:g} failed to run: {exc}")
+                        print(notes[-1], file=sys.stderr)
+                        continue
+                    rows.append(row)
+                    if speedup == args.speedups[0] and repeat == 0:
+                        cdfs[target] = ttfts
+    fleet = f"{args.real_vllm} real vLLM servers" if args.real_vllm else f"{args.backends} backends"
+    path = report.write(out, f"live compare, {args.workload}, {fleet}", head, rows, cdfs, notes)
     print(f"wrote {path}")
     return 0

@@ -21,11 +21,13 @@ import argparse
 import itertools
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from vllm_real import vocabulary
 from vllm_sim import tokenizer
 
 TRACE_BLOCK_TOKENS = 512
@@ -35,15 +37,22 @@ SIM_MODEL = "sim-model"  # what the simulated fleets of virtual, compare and twi
 DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_conversation_trace.jsonl"
 
 
+# The words prompts are written with: the simulator's filler (one token each to a simulator), or the
+# vocabulary the real fleet's tiny model tokenizes one to one (--words vocab: a prompt then has about
+# as many tokens on a real vLLM as on a simulator).
+Filler = Callable[[int | str, int], list[str]]
+FILLERS: dict[str, Filler] = {"filler": tokenizer.filler_words, "vocab": vocabulary.filler_words}
+
+
 # Conversations reuse their blocks within minutes, so a few thousand cached blocks serve a whole trace.
 @lru_cache(maxsize=8192)
-def _block_words(hash_id: int) -> tuple[str, ...]:
-    return tuple(tokenizer.filler_words(f"trace-block-{hash_id}", TRACE_BLOCK_TOKENS))
+def _block_words(hash_id: int, words: str = "filler", size: int = TRACE_BLOCK_TOKENS) -> tuple[str, ...]:
+    return tuple(FILLERS[words](f"trace-block-{hash_id}", size))
 
 
 @lru_cache(maxsize=8192)
-def _block_ids(hash_id: int) -> tuple[int, ...]:
-    return tuple(tokenizer.word_id(w) for w in _block_words(hash_id))
+def _block_ids(hash_id: int, words: str = "filler", size: int = TRACE_BLOCK_TOKENS) -> tuple[int, ...]:
+    return tuple(tokenizer.word_id(w) for w in _block_words(hash_id, words, size))
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +65,8 @@ class BenchRequest:
     blocks: tuple[int, ...] = ()  # trace: 512-token block ids of a completions prompt
     messages: tuple[dict[str, str], ...] = ()  # chat workloads
     headers: dict[str, str] = field(default_factory=dict)
+    words: str = "filler"  # trace: which FILLERS writes its blocks
+    block_tokens: int = TRACE_BLOCK_TOKENS  # trace: tokens each hash id stands for (scaled traces)
 
     @property
     def path(self) -> str:
@@ -64,10 +75,10 @@ class BenchRequest:
     def _trace_words(self) -> list[str]:
         words: list[str] = []
         for h in self.blocks:
-            take = min(TRACE_BLOCK_TOKENS, self.prompt_tokens - len(words))
+            take = min(self.block_tokens, self.prompt_tokens - len(words))
             if take <= 0:
                 break
-            words.extend(_block_words(h)[:take])
+            words.extend(_block_words(h, self.words, self.block_tokens)[:take])
         return words
 
     def body(self) -> dict[str, Any]:
@@ -88,10 +99,10 @@ class BenchRequest:
             return tokenizer.encode(tokenizer.render_chat(self.messages))
         ids: list[int] = []
         for h in self.blocks:
-            take = min(TRACE_BLOCK_TOKENS, self.prompt_tokens - len(ids))
+            take = min(self.block_tokens, self.prompt_tokens - len(ids))
             if take <= 0:
                 break
-            ids.extend(_block_ids(h)[:take])
+            ids.extend(_block_ids(h, self.words, self.block_tokens)[:take])
         return ids
 
 
@@ -182,16 +193,17 @@ def synthetic_chat(
     session_header: bool = False,
     seed: int = 1,
     model: str = "sim-model",
+    filler: Filler = tokenizer.filler_words,
 ) -> list[BenchRequest]:
     """Conversations that resend their whole history each turn, with think time between turns."""
     rng = random.Random(seed)
-    systems = [" ".join(tokenizer.filler_words(f"system-{i}", system_tokens)) for i in range(system_prompts)]
+    systems = [" ".join(filler(f"system-{i}", system_tokens)) for i in range(system_prompts)]
     events: list[tuple[float, int, list[dict[str, str]]]] = []
     for u in range(users):
         t = rng.uniform(0, span_s)
         messages = [{"role": "system", "content": systems[u % system_prompts]}]
         for turn in range(turns):
-            q = " ".join(tokenizer.filler_words(f"user-{u}-q{turn}", question_tokens))
+            q = " ".join(filler(f"user-{u}-q{turn}", question_tokens))
             messages = [*messages, {"role": "user", "content": q}]
             events.append((t, u, list(messages)))
             answer = " ".join(tokenizer.output_words(u * 1000 + turn, answer_tokens))
@@ -212,13 +224,14 @@ def mixed(
     span_s: float = 120.0,
     seed: int = 2,
     model: str = "sim-model",
+    filler: Filler = tokenizer.filler_words,
 ) -> list[BenchRequest]:
     """Long documents asked short questions (RAG), interleaved with short independent chats."""
     rng = random.Random(seed)
-    docs = [" ".join(tokenizer.filler_words(f"doc-{d}", doc_tokens)) for d in range(documents)]
+    docs = [" ".join(filler(f"doc-{d}", doc_tokens)) for d in range(documents)]
     events: list[tuple[float, list[dict[str, str]], int]] = []
     for q in range(rag_questions):
-        question = " ".join(tokenizer.filler_words(f"rag-q{q}", 40))
+        question = " ".join(filler(f"rag-q{q}", 40))
         events.append(
             (
                 rng.uniform(0, span_s),
@@ -230,7 +243,7 @@ def mixed(
             )
         )
     for c in range(chats):
-        msg = " ".join(tokenizer.filler_words(f"short-{c}", rng.randint(20, 200)))
+        msg = " ".join(filler(f"short-{c}", rng.randint(20, 200)))
         events.append((rng.uniform(0, span_s), [{"role": "user", "content": msg}], rng.randint(50, 300)))
     events.sort(key=lambda e: e[0])
     return [_chat_request(i, t, m, n, model) for i, (t, m, n) in enumerate(events)]
@@ -247,6 +260,7 @@ def reuse_rich(
     follow_up: float = 0.5,
     seed: int = 3,
     model: str = "sim-model",
+    filler: Filler = tokenizer.filler_words,
 ) -> list[BenchRequest]:
     """Documents asked about again and again, and conversations about them that grow.
 
@@ -262,13 +276,13 @@ def reuse_rich(
     t = 0.0
     for rid in range(requests):
         t += rng.expovariate(rate)
-        question = " ".join(tokenizer.filler_words(f"reuse-q{seed}-{rid}", question_tokens))
+        question = " ".join(filler(f"reuse-q{seed}-{rid}", question_tokens))
         if docs and rng.random() < reuse:
             weights = [1.0 / (k + 1) ** zipf for k in range(len(docs))]
             d = rng.choices(range(len(docs)), weights)[0]
         else:
             n = rng.randint(*doc_tokens)
-            docs.append(" ".join(tokenizer.filler_words(f"reuse-doc{seed}-{len(docs)}", n)))
+            docs.append(" ".join(filler(f"reuse-doc{seed}-{len(docs)}", n)))
             threads.append([])
             d = len(docs) - 1
         convs = threads[d]
@@ -301,7 +315,27 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=None, help="trace window length (s)")
     p.add_argument("--limit", type=int, default=None, help="at most this many requests")
     p.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=TRACE_BLOCK_TOKENS,
+        help="trace: tokens each of its hash ids stands for (512 as recorded; fewer scales every prompt "
+        "down by that ratio and keeps which prompts share which prefixes)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="drop requests whose prompt plus answer exceed this many tokens (a server's max_model_len)",
+    )
+    p.add_argument(
         "--model", default=None, help=f"the model to ask for (live: the URL's first model; else {SIM_MODEL})"
+    )
+    p.add_argument(
+        "--words",
+        choices=sorted(FILLERS),
+        default="filler",
+        help="what prompts are written with: the simulator's filler words, or the vocabulary the real "
+        "fleet's tiny model tokenizes one word to one token (for runs on real vLLM)",
     )
     p.add_argument(
         "--arrivals",
@@ -314,14 +348,37 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
     """The workload the command line of ``add_workload_args`` asks for."""
     model = args.model or SIM_MODEL
+    words = getattr(args, "words", "filler")
     if args.workload == "trace":
         if not args.trace.exists():
             raise SystemExit(f"kvgate-bench: trace {args.trace} not found; pass --trace PATH")
-        return load_trace(args.trace, args.start, args.duration, args.limit, model, args.arrivals == "spread")
+        trace = load_trace(args.trace, args.start, args.duration, None, model, args.arrivals == "spread")
+        block = getattr(args, "trace_block_tokens", TRACE_BLOCK_TOKENS)
+        if words != "filler" or block != TRACE_BLOCK_TOKENS:
+            trace = [
+                replace(
+                    r,
+                    words=words,
+                    block_tokens=block,
+                    prompt_tokens=max(1, -(-r.prompt_tokens * block // TRACE_BLOCK_TOKENS)),
+                )
+                for r in trace
+            ]
+        return _bounded(trace, args)
+    filler = FILLERS[words]
     if args.workload in ("chat", "chat-sessions"):
-        reqs = synthetic_chat(session_header=args.workload == "chat-sessions", model=model)
+        reqs = synthetic_chat(session_header=args.workload == "chat-sessions", model=model, filler=filler)
     elif args.workload == "reuse":
-        reqs = reuse_rich(reuse=args.reuse, rate=args.rate, model=model)
+        reqs = reuse_rich(reuse=args.reuse, rate=args.rate, model=model, filler=filler)
     else:
-        reqs = mixed(model=model)
+        reqs = mixed(model=model, filler=filler)
+    return _bounded(reqs, args)
+
+
+def _bounded(reqs: list[BenchRequest], args: argparse.Namespace) -> list[BenchRequest]:
+    """``--max-context`` (requests longer than a server takes left out, renumbered), then ``--limit``."""
+    most = getattr(args, "max_context", None)
+    if most:
+        kept = [r for r in reqs if r.prompt_tokens + r.output_tokens <= most]
+        reqs = [replace(r, rid=i) for i, r in enumerate(kept)]
     return reqs[: args.limit] if args.limit else reqs
