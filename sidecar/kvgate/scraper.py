@@ -25,7 +25,7 @@ from kvgate.load import Scraped
 
 # vLLM's names first, then SGLang's (--enable-metrics): running and queued requests, KV token usage
 # (0..1) and prompt tokens. SGLang has no prefix-cache counters (only a hit-rate gauge).
-_NAMES = {
+SERIES = {
     "running": ("vllm:num_requests_running", "sglang:num_running_reqs"),
     "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
     "kv": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"),
@@ -54,16 +54,16 @@ class LoadUnknown(ScrapeError):
 
 
 # Counters are exposed with _total; both spellings are accepted, _created series are not wanted.
-_WANTED = {name for names in _NAMES.values() for name in names}
+_WANTED = {name for names in SERIES.values() for name in names}
 
 # Series read for one label's value, not summed: waiting requests by why they wait (vLLM 0.1x+:
 # "capacity" = no KV blocks free, "deferred" = e.g. awaiting a remote KV transfer), and the cache's
 # geometry, which vLLM exposes as labels of an info gauge.
-_LABELLED = {
+LABELLED_SERIES = {
     "vllm:num_requests_waiting_by_reason": "reason",
     "vllm:cache_config_info": "",
 }
-_WANTED |= set(_LABELLED)
+_WANTED |= set(LABELLED_SERIES)
 _PREFIXES = tuple(sorted(_WANTED))
 
 
@@ -147,7 +147,7 @@ def parse_metrics(text: str, at: float) -> Scraped:
         if found is None:
             continue
         name, labels, value = found
-        if name in _LABELLED:
+        if name in LABELLED_SERIES:
             if name == "vllm:cache_config_info":
                 cache = _labels(labels)
             elif _labels(labels).get("reason") == "capacity":
@@ -156,7 +156,7 @@ def parse_metrics(text: str, at: float) -> Scraped:
         sums[name] = sums.get(name, 0.0) + value
 
     def first(kind: str) -> float | None:
-        for name in _NAMES[kind]:
+        for name in SERIES[kind]:
             if name in sums:
                 return sums[name]
         return None

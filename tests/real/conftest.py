@@ -108,6 +108,8 @@ class Gateway:
             "backends": backends,
             **sections,
         }
+        # The tests read which backend served each answer (off by default: clients could pick one).
+        config["gateway"] = {"route_headers": True, **sections.get("gateway", {})}
         settings = NginxSettings.from_config(
             Config.from_mapping(config, {}), listen=f"127.0.0.1:{self.port}", run_dir=str(run), workers=2
         )

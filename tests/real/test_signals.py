@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from kvgate.scraper import parse_metrics
+from kvgate.scraper import LABELLED_SERIES, SERIES, parse_metrics
 
 from tests.conftest import wait_until
 from tests.real.conftest import BLOCK_SIZE, BLOCKS, MODEL, Gateway, RealFleet, Tokens, get_text
@@ -20,7 +20,15 @@ def test_every_series_kvgate_reads_comes_from_the_real_exposition(fleet: RealFle
     """Running, waiting, waiting for KV, KV usage, the prefix-cache counters, prompt tokens and the
     cache geometry are all found in vLLM 0.32's own /metrics, and reach /v1/backends."""
     for url in fleet.urls:
-        s = parse_metrics(get_text(url + "/metrics"), 0.0)
+        text = get_text(url + "/metrics")
+        # Each series kvgate reads is there by one of its names (a counter with or without _total):
+        # a name vLLM does not use would read as no load at all, not as an error.
+        exposed = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if not line.startswith("#")}
+        exposed |= {name.removesuffix("_total") for name in exposed}
+        for kind, names in SERIES.items():
+            assert exposed & set(names), (kind, names)
+        assert set(LABELLED_SERIES) <= exposed, LABELLED_SERIES
+        s = parse_metrics(text, 0.0)
         assert s.running == 0 and s.waiting == 0
         assert s.kv_usage is not None and s.waiting_for_kv == 0
         assert s.prefix_queries is not None and s.prefix_hits is not None and s.prompt_tokens is not None
