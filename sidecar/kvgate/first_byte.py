@@ -14,8 +14,9 @@ replica has routed to it and not yet seen answered, plus the part of this prompt
 decision to its first-byte report against the work the decision saw.
 
 The same read timeout also bounds every later silence of a stream (vLLM sends a stream's headers at
-once and its first event with the first token), so a budget that is too short cuts a stream the
-client already has. The budget is therefore short only where the prediction can be trusted: a backend
+once and its first event with the first token), where it can only cut a stream the client already
+has: Nginx gives a stream at least ``gateway.first_byte_stream_min_ms`` whatever this budget says
+(lua/kvgate/access.lua). The budget is short only where the prediction can be trusted: a backend
 with fewer than ``MIN_SAMPLES`` answers, or whose load is unknown, saturated or preempting (KV cache
 near full), gets the ceiling.
 """

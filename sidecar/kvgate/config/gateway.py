@@ -98,9 +98,8 @@ class GatewayConfig:
             first_byte_timeout_ms=first_byte,
             first_byte_min_ms=floor,
             first_byte_margin=num(d, w, "first_byte_margin", 4.0, 1.0, 100.0),
-            first_byte_stream_min_ms=min(
-                first_byte, integer(d, w, "first_byte_stream_min_ms", 30_000, 100, 3_600_000)
-            ),
+            # Nginx clamps it to the ceiling where it computes each try's timeout (access.lua).
+            first_byte_stream_min_ms=integer(d, w, "first_byte_stream_min_ms", 30_000, 100, 3_600_000),
             token_timeout_ms=integer(d, w, "token_timeout_ms", 100, 0, 60_000),
             max_read_timeout_ms=integer(d, w, "max_read_timeout_ms", 600_000, 100, 86_400_000),
             client_max_body_size=size,
