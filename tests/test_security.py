@@ -93,25 +93,32 @@ def test_redis_over_tls(stack: Supervisor, tmp_path: Path) -> None:
     r.close()
 
 
+def rogue_is_refused(sc: Any, r: redis.Redis, name: str, host: str) -> socket.socket:
+    """A listener on ``host`` registers itself through Redis (one HSET, one INCR): the sidecar counts
+    it rejected, never lists it and never picks it. Returns the listener (for its address)."""
+    listener = socket.socket()
+    listener.bind((host, 0))
+    listener.listen(16)
+    entry = {"id": name, "url": f"http://{host}:{listener.getsockname()[1]}", "weight": 100.0}
+    r.hset("kvgate:backends", name, json.dumps({**entry, "labels": {}, "draining": False}))
+    r.incr("kvgate:backends:v")
+    wait_until(
+        lambda: "kvgate_membership_rejected_total 1.0" in http_json("GET", sc.http + "/metrics")[1], timeout=5
+    )
+    assert name not in sc.backends()
+    with sc.client() as c:
+        assert all(c.decide_body(chat(i, 1)).candidates[0].id != name for i in range(20))
+    return listener
+
+
 def test_membership_entries_from_redis_must_match_the_allowed_hosts(stack: Supervisor) -> None:
     """One HSET and one INCR used to send prompts to any listener."""
     port = free_port()
     stack.start_redis(port)
     sim = start_backends(stack, 2)
     sc = start_sidecar(stack, "a", port, sim, 2)
-    listener = socket.socket()
-    listener.bind(("127.0.0.2", 0))
-    listener.listen(16)
-    evil = {"id": "evil", "url": f"http://127.0.0.2:{listener.getsockname()[1]}", "weight": 100.0}
     r = redis.Redis(port=port, socket_timeout=2)
-    r.hset("kvgate:backends", "evil", json.dumps({**evil, "labels": {}, "draining": False}))
-    r.incr("kvgate:backends:v")
-    wait_until(
-        lambda: "kvgate_membership_rejected_total 1.0" in http_json("GET", sc.http + "/metrics")[1], timeout=5
-    )
-    assert "evil" not in sc.backends()
-    with sc.client() as c:
-        assert all(c.decide_body(chat(i, 1)).candidates[0].id != "evil" for i in range(20))
+    listener = rogue_is_refused(sc, r, "evil", "127.0.0.2")
     status, body = sc.admin("POST", "/admin/backends", {"id": "evil2", "url": "http://10.1.2.3:8000"})
     assert status == 400 and "membership.allow" in body["error"]["message"]
     listener.close()
@@ -125,20 +132,10 @@ def test_a_listener_on_another_port_of_a_backend_host_is_never_adopted(stack: Su
     port = free_port()
     stack.start_redis(port)
     sim = start_backends(stack, 2)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)
-    rogue = {"id": "rogue", "url": f"http://127.0.0.1:{listener.getsockname()[1]}", "weight": 100.0}
     r = redis.Redis(port=port, socket_timeout=2)
     sc = start_sidecar(stack, "a", port, sim, 2)
-    r.hset("kvgate:backends", "rogue", json.dumps({**rogue, "labels": {}, "draining": False}))
-    r.incr("kvgate:backends:v")
-    wait_until(
-        lambda: "kvgate_membership_rejected_total 1.0" in http_json("GET", sc.http + "/metrics")[1], timeout=5
-    )
-    assert "rogue" not in sc.backends()
-    with sc.client() as c:
-        assert all(c.decide_body(chat(i, 1)).candidates[0].id != "rogue" for i in range(20))
+    listener = rogue_is_refused(sc, r, "rogue", "127.0.0.1")
+    rogue_url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     with pytest.raises(ConfigError, match="must name a host and its ports"):
         Config.from_mapping(
             {**sidecar_config(Path("s"), 1, port, sim, 2), "membership": {"allow": ["127.0.0.1"]}}, {}
@@ -153,7 +150,7 @@ def test_a_listener_on_another_port_of_a_backend_host_is_never_adopted(stack: Su
     )
     policy = AddressPolicy(allowed.membership, allowed.backends)
     assert policy.allows(BackendSpec("in", f"http://127.0.0.1:{sim + 9}"))
-    assert not policy.allows(BackendSpec("rogue", rogue["url"]))
+    assert not policy.allows(BackendSpec("rogue", rogue_url))
     listener.close()
     r.close()
 
