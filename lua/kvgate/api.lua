@@ -9,7 +9,7 @@ local errors   = require "kvgate.errors"
 local failopen = require "kvgate.failopen"
 local process  = require "ngx.process"
 local protocol = require "kvgate.protocol"
-local reports  = require "kvgate.reports"
+local outbox   = require "kvgate.outbox"
 local sidecar  = require "kvgate.sidecar"
 local stats    = require "kvgate.stats"
 
@@ -115,7 +115,7 @@ function _M.health()
                                     sidecar = fresh and "ok" or "unreachable", config = config,
                                     config_fingerprint = conf.fingerprint,
                                     fail_open_peers = #peers, peers_version = version,
-                                    dropped_reports = reports.dropped(),
+                                    dropped_reports = outbox.dropped(),
                                     master_pid = process.get_master_pid() }))
 end
 

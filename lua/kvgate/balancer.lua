@@ -3,6 +3,7 @@
 
 local balancer = require "ngx.balancer"
 local conf     = require "kvgate.conf"
+local request  = require "kvgate.request"
 
 local ngx       = ngx
 local ngx_log   = ngx.log
@@ -18,17 +19,17 @@ local function split_addr(addr)
 end
 
 function _M.run()
-    local ctx = ngx.ctx
-    local addrs = ctx.kv_addrs
-    local call = ctx.kv_tries + 1
-    ctx.kv_tries = call
+    local req = request.current()
+    local addrs = req.addrs
+    local call = req.tries + 1
+    req.tries = call
     -- A failure on a reused keepalive connection does not count as a try, so Nginx may call more
     -- times than there are candidates: go round the list again instead of failing the request.
     local i = (call - 1) % #addrs + 1
-    local picks = ctx.kv_picks
+    local picks = req.picks
     if not picks then
         picks = {}
-        ctx.kv_picks = picks
+        req.picks = picks
     end
     picks[call] = i
     if call == 1 and #addrs > 1 then
@@ -44,7 +45,7 @@ function _M.run()
         return ngx.exit(ngx.ERROR)
     end
     ok, err = balancer.set_timeouts(conf.connect_timeout_ms / 1000, conf.send_timeout_ms / 1000,
-                                    ctx.kv_read_s[i])
+                                    req.read_s[i])
     if not ok then
         ngx_log(ngx_ERR, "kvgate: failed to set timeouts: ", err)
     end

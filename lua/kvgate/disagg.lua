@@ -8,7 +8,7 @@
 local cjson    = require "cjson.safe"
 local jsontext = require "kvgate.jsontext"
 local protocol = require "kvgate.protocol"
-local reports  = require "kvgate.reports"
+local outbox   = require "kvgate.outbox"
 
 local ngx_log  = ngx.log
 local ngx_WARN = ngx.WARN
@@ -59,7 +59,7 @@ function _M.prefill(raw, body, ids, addrs)
             return nil
         end
         -- A backend that failed its leg (or answered without KV to hand over) counts against it.
-        reports.push(protocol.tried(ids[i], res.status >= 500 and res.status or 502))
+        outbox.push(protocol.tried(ids[i], res.status >= 500 and res.status or 502))
         ngx_log(ngx_WARN, "kvgate: prefill leg on ", ids[i], " failed (", res.status, ")")
     end
     return nil

@@ -9,16 +9,18 @@ local balancer = require "kvgate.balancer"
 local conf     = require "kvgate.conf"
 local errors   = require "kvgate.errors"
 local failopen = require "kvgate.failopen"
-local reports  = require "kvgate.reports"
+local filters  = require "kvgate.filters"
+local outbox   = require "kvgate.outbox"
+local outcome  = require "kvgate.outcome"
 
 local _M = { _VERSION = "0.2.0" }
 
 _M.configure     = conf.configure       -- init_by_lua
 _M.access        = access.run
 _M.balancer      = balancer.run
-_M.header_filter = reports.header_filter
-_M.body_filter   = reports.body_filter
-_M.log           = reports.log
+_M.header_filter = filters.header_filter
+_M.body_filter   = filters.body_filter
+_M.log           = outcome.log
 _M.models        = api.models           -- content_by_lua of /v1/models
 _M.health        = api.health           -- content_by_lua of /kvgate/health
 _M.metrics       = api.metrics          -- content_by_lua of /kvgate/metrics
@@ -27,7 +29,7 @@ _M.error_page    = errors.page          -- content_by_lua of the error_page loca
 
 function _M.init_worker()
     failopen.init_worker()
-    reports.init_worker()
+    outbox.init_worker()
     auth.init_worker()
 end
 
