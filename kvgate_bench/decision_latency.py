@@ -36,7 +36,8 @@ from typing import Any
 import redis
 from kvgate.features import extract
 from kvgate.looplag import read_schedstat
-from kvgate.protocol import Decide, DecisionReply, encode_message
+from kvgate.messages import Decide, DecisionReply
+from kvgate.protocol import encode_message
 from kvgate.tools.decision_client import DecisionClient
 from kvgate.tools.launcher import Supervisor, free_port, free_ports, launch_replica
 

@@ -30,8 +30,8 @@ from kvgate import protocol
 from kvgate.config import Config
 from kvgate.features import extract
 from kvgate.load import Scraped
+from kvgate.messages import Decide, DecisionReply, Outcome, Report
 from kvgate.nginx_conf import DEBIAN_MODULES, LUA_DIR, find_nginx
-from kvgate.protocol import Decide, DecisionReply, Outcome, Report
 from kvgate.sidecar import build_sidecar
 from kvgate.tools.launcher import Supervisor, free_port, wait_listening
 

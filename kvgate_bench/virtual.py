@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 from kvgate.config import Config, PolicyName
 from kvgate.features import Features, extract
 from kvgate.load import Scraped
+from kvgate.messages import Outcome
 from kvgate.policies import SessionAction
-from kvgate.protocol import Outcome
 from kvgate.queue import QueueFull, QueueTimeout
 from kvgate.registry import Registry
 from kvgate.service import Queued, Routed

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvgate.tools.launcher import Supervisor
+from kvgate.tools.launcher import Supervisor, free_port
 
 MODEL = "sim-model"
 
@@ -88,3 +88,15 @@ def require_binary(name: str) -> str:
     if path is None:
         pytest.fail(f"{name} is not installed: run `make setup` (tests never skip missing parts)")
     return path
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server on a free port, for one test module."""
+    sup = Supervisor(tmp_path_factory.mktemp("redis"))
+    port = free_port()
+    sup.start_redis(port)
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        sup.stop_all()

@@ -4,20 +4,18 @@ token estimate, length-bucketed pools with spill, and the gateway queue's late b
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
-from kvgate.config import Config, ConfigError, TokensConfig
+from kvgate.config import ConfigError, TokensConfig
 from kvgate.features import Features
-from kvgate.load import Scraped
-from kvgate.protocol import Outcome
+from kvgate.messages import Outcome
 from kvgate.queue import QueueTimeout
 from kvgate.service import Queued, Routed
-from kvgate.sidecar import Sidecar, build_sidecar
+from kvgate.sidecar import Sidecar
 from kvgate.tokens import TokenEstimator
 
-MODEL = "m"
+from tests.cores import MODEL, core
 
 
 # -- the token estimate ------------------------------------------------------------------------------
@@ -126,33 +124,7 @@ def test_a_ratio_set_in_the_config_wins_and_bad_ones_are_refused() -> None:
 
 # -- the decision service with pools and the queue ---------------------------------------------------
 def service(labels: list[str] | None = None, **sections: Any) -> Sidecar:
-    n = len(labels) if labels else 2
-    cfg = Config.from_mapping(
-        {
-            "redis": {"url": None},
-            "routing": {"saturation_prefill_tokens": 1000},
-            "backends": [
-                {
-                    "id": f"b{i}",
-                    "url": f"http://127.0.0.1:{i + 1}",
-                    "labels": {"pool": labels[i]} if labels else {},
-                }
-                for i in range(n)
-            ],
-            **sections,
-        }
-    )
-    sc = build_sidecar(cfg, None)
-    sc.registry.set_membership((b, False) for b in cfg.backends)
-    for b in cfg.backends:
-        sc.registry.set_models(b.id, frozenset({MODEL}))
-        idle(sc, b.id)
-    return sc
-
-
-def idle(sc: Sidecar, backend: str, waiting: float = 0.0) -> None:
-    sc.registry.scrape_ok(backend, Scraped(0, waiting, 0.1, None, None, time.monotonic()))
-    sc.registry.changed()
+    return core(labels, **sections)
 
 
 def feats(n_bytes: int, tag: str = "x") -> Features:
@@ -199,7 +171,7 @@ def test_a_queued_request_is_bound_when_a_backend_frees_up_and_counts_end_at_zer
         assert result.candidates[0].id == second.candidates[0].id  # bound where room opened, late
         for did, r in (("d1", first), ("d2", second), ("d3", result)):
             svc.report([Outcome.end(did, r.candidates[0].id, 200, ttft=0.1)])
-        assert sum(sc.registry.inflight.values()) == 0 and sum(sc.registry.inflight_tokens.values()) == 0
+        assert sum(sc.registry.ledger.counts.values()) == 0 and sum(sc.registry.ledger.tokens.values()) == 0
 
     asyncio.run(scenario())
 
@@ -222,7 +194,7 @@ def test_a_request_that_waits_too_long_or_whose_client_left_leaves_the_queue_unr
         ((w, refusal),) = await svc.dispatch()
         assert w.decision_id == "late" and isinstance(refusal, QueueTimeout) and refusal.retry_after >= 1
         assert len(svc.queue) == 0
-        assert sorted(sc.registry.inflight_tokens.values()) == [2000, 2000]  # only the two that ran
+        assert sorted(sc.registry.ledger.tokens.values()) == [2000, 2000]  # only the two that ran
 
     asyncio.run(scenario())
 

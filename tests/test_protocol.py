@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from kvgate import protocol
 from kvgate.features import Features
-from kvgate.protocol import (
+from kvgate.messages import (
     Candidate,
     Decide,
     DecisionReply,
@@ -24,10 +24,10 @@ from kvgate.protocol import (
     OutcomeKind,
     PeersQuery,
     PeersReply,
-    ProtocolError,
     QueuedReply,
     Report,
 )
+from kvgate.protocol import ProtocolError
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "protocol.json").read_text())
 

@@ -15,7 +15,7 @@ import pytest
 import redis
 from kvgate import protocol
 from kvgate.features import extract
-from kvgate.protocol import ErrorCode, ErrorReply, PeersQuery, PeersReply
+from kvgate.messages import ErrorCode, ErrorReply, PeersQuery, PeersReply
 from kvgate.tools.launcher import Supervisor, free_port
 from prometheus_client.parser import text_string_to_metric_families
 

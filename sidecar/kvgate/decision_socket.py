@@ -16,7 +16,7 @@ import time
 
 from kvgate import protocol
 from kvgate.agreement import Agreement
-from kvgate.protocol import (
+from kvgate.messages import (
     Decide,
     DecisionReply,
     ErrorCode,
@@ -27,11 +27,11 @@ from kvgate.protocol import (
     ModelsReply,
     PeersQuery,
     PeersReply,
-    ProtocolError,
     QueuedReply,
     Reply,
     Report,
 )
+from kvgate.protocol import ProtocolError
 from kvgate.queue import QueueFull, QueueTimeout
 from kvgate.registry import Registry
 from kvgate.service import DecisionService, Queued, RateLimited, Routed, UnknownModel
@@ -101,7 +101,7 @@ class DecisionServer:
             a = self.agreement
             return PeersReply(version, peers, len(self.registry.backends), a.fingerprint, a.auth, a.limits)
         if isinstance(msg, KeysQuery):
-            return self.service.keys()
+            return self.service.admission.keys()
         assert isinstance(msg, ModelsQuery)
         return ModelsReply(tuple(self.registry.model_cards()))
 
@@ -114,7 +114,7 @@ class DecisionServer:
             routed.priority if forward else None,
             routed.prefill,
             routed.first_byte_ms,
-            self.service.given_max_tokens(routed.decision_id),
+            self.service.admission.given_max_tokens(routed.decision_id),
         )
 
     async def _wait(self, queued: Queued, writer: asyncio.StreamWriter) -> Reply:

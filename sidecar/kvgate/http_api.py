@@ -129,7 +129,7 @@ class HttpApi:
         for bid, s in self.registry.backends.items():
             load = self.registry.load_of(s, now, 0.0)
             self.metrics.backend_load.labels(bid).set(load.requests)
-            self.metrics.backend_inflight.labels(bid).set(self.registry.inflight.get(bid, 0))
+            self.metrics.backend_inflight.labels(bid).set(self.registry.ledger.counts.get(bid, 0))
             if s.scraped is not None:
                 self.metrics.scrape_age.labels(bid).set(now - s.scraped.at)
         return web.Response(

@@ -15,6 +15,9 @@ fallbacks) and a short reason code that Nginx puts in ``X-Kvgate-Route``.
    weighted fair share (bounded loads, so hot keys spill over instead of piling up), and among the
    first ``CHOICES`` under-bound nodes and the prefix holders pick the one whose first token should
    come soonest: least prefill work queued there plus the part of this prompt it does not hold.
+
+Over 300 lines: six policies over one ``Snapshot``, which they read through the same helpers
+(room, saturation, the uncached-token estimate).
 """
 
 from __future__ import annotations

@@ -1,8 +1,13 @@
-"""Backend registry: membership, health, drain state, served models, load and in-flight accounting.
+"""Backend registry: membership, health, drain state, served models and load (decisions in flight
+are kept in its ledger, ``kvgate.inflight``).
 
 State changes come from the control loops (scrapes, membership sync, admin calls) and from outcome
 reports; the decision path only reads. The ring is rebuilt, and the fail-open peer list re-versioned,
 only when the set of eligible backends changes, never per request.
+
+Over 300 lines: membership, health, drain, models and load are one state per backend
+(``BackendState``) that every snapshot reads together; what changes per request, the in-flight
+ledger, lives apart.
 """
 
 from __future__ import annotations
@@ -12,23 +17,20 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from kvgate.config import BackendSpec, OutlierConfig, RoutingConfig, ScrapeConfig
+from kvgate.inflight import InflightLedger
 from kvgate.load import LoadView, Scraped, spare_capacity, view
+from kvgate.messages import Candidate
 from kvgate.metrics import SidecarMetrics
 from kvgate.outliers import CLIENT_CLOSED, OutlierDetector, OutlierState, failure_reason
 from kvgate.policies import NodeView, Snapshot
-from kvgate.protocol import Candidate
 from kvgate.ring import Ring
 
 logger = logging.getLogger(__name__)
-INFLIGHT_EXPIRY_S = 600.0  # a decision never reported (gateway crash) stops counting after this
 # A backend that delivered a response (a first byte, a successful end) this recently is alive: health
 # checks that time out say it is busy, not dead, and do not take it out.
 ALIVE_S = 10.0
-DROP_MEMORY_S = 10.0  # a drop that overtook its decision keeps that decision from counting
-DROP_MEMORY_MAX = 100_000
 
 
 @dataclass(slots=True)
@@ -70,33 +72,6 @@ class BackendState:
 
 
 @dataclass(slots=True)
-class _Inflight:
-    backend: str
-    tokens: int  # uncached prompt tokens still to prefill (0 once the first byte came back)
-    at: float
-    model: str | None = None
-    prompt_bytes: int = 0  # the prompt's size, until the backend has counted its tokens (then 0)
-    work: int = 0  # prefill tokens ahead of its first token when routed (others' queued and its own)
-
-
-class FirstByte(NamedTuple):
-    """A decision's first byte came back: what ``kvgate.first_byte`` learns from."""
-
-    backend: str
-    work: int  # prefill tokens ahead of it when it was routed there
-    seconds: float  # from the decision to its first-byte report
-
-
-class Served(NamedTuple):
-    """A prompt the backend has now counted (its first token came back): what the token estimate
-    learns from."""
-
-    backend: str
-    model: str | None
-    prompt_bytes: int
-
-
-@dataclass(slots=True)
 class Registry:
     scrape: ScrapeConfig
     routing: RoutingConfig
@@ -107,15 +82,15 @@ class Registry:
     peers_version: int = 0
     _eligible_key: tuple[str, ...] = ()
     _weights: dict[str, float] = field(default_factory=dict)
-    _inflight: dict[str, _Inflight] = field(default_factory=dict)
-    _dropped: dict[str, float] = field(default_factory=dict)  # decision id -> when its drop came
-    inflight: dict[str, int] = field(default_factory=dict)  # backend -> requests routed, not reported
-    inflight_tokens: dict[str, int] = field(default_factory=dict)  # backend -> their uncached tokens
     _generation: int = 0  # bumped when cached snapshots must be rebuilt
     _snapshots: dict[tuple[str | None, str | None], tuple[int, Snapshot]] = field(default_factory=dict)
     replicas: int = 1  # gateway replicas sharing these backends (from Redis; 1 without it)
     pool_label: str = "pool"  # the backend label naming its pool
     _served: tuple[int, frozenset[str] | None] | None = None
+    ledger: InflightLedger = field(init=False)  # decisions in flight, per backend (kvgate.inflight)
+
+    def __post_init__(self) -> None:
+        self.ledger = InflightLedger(self.backends.__contains__)
 
     # -- membership ---------------------------------------------------------------------------------
     def set_membership(self, specs: Iterable[tuple[BackendSpec, bool]]) -> bool:
@@ -273,7 +248,7 @@ class Registry:
         unknown = max(known) if known else 0.0  # pessimistic stand-in for stale stats
         nodes = {s.spec.id: NodeView(s.spec.id, s.spec.weight, self.load_of(s, now, unknown)) for s in chosen}
         snap = Snapshot(
-            nodes, self.ring, self.routing.limits, self.inflight, self.inflight_tokens, self.replicas
+            nodes, self.ring, self.routing.limits, self.ledger.counts, self.ledger.tokens, self.replicas
         )
         self._snapshots[cache_key] = (self._generation, snap)
         return snap
@@ -330,93 +305,6 @@ class Registry:
     def address(self, bid: str) -> str:
         return self.backends[bid].address
 
-    # -- in-flight accounting -------------------------------------------------------------------------
-    def start(
-        self,
-        decision_id: str,
-        bid: str,
-        tokens: int,
-        now: float,
-        model: str | None = None,
-        prompt_bytes: int = 0,
-    ) -> bool:
-        """Count a decision in flight on ``bid`` with ``tokens`` uncached prompt tokens; False when
-        Nginx dropped it already (its drop report overtook the decision)."""
-        if self._dropped.pop(decision_id, None) is not None or bid not in self.backends:
-            return False
-        work = self.inflight_tokens.get(bid, 0) + tokens
-        entry = _Inflight(bid, tokens, now, model, prompt_bytes, work)
-        self._count(entry)
-        self._inflight[decision_id] = entry
-        return True
-
-    def _count(self, entry: _Inflight) -> None:
-        b = entry.backend
-        self.inflight[b] = self.inflight.get(b, 0) + 1
-        self.inflight_tokens[b] = self.inflight_tokens.get(b, 0) + entry.tokens
-
-    def _uncount(self, entry: _Inflight) -> None:
-        """Where the counts ``_count`` raised come down: a decision that ended, or moved."""
-        b = entry.backend
-        self.inflight[b] = max(0, self.inflight.get(b, 0) - 1)
-        self.inflight_tokens[b] = max(0, self.inflight_tokens.get(b, 0) - entry.tokens)
-
-    def move(self, decision_id: str, bid: str, tokens: int) -> None:
-        """The decision now goes to ``bid`` with ``tokens`` uncached prompt tokens (the session it
-        belongs to turned out bound there). Nothing when it ended meanwhile (dropped by Nginx)."""
-        entry = self._inflight.get(decision_id)
-        if entry is None or bid not in self.backends:
-            return
-        self._uncount(entry)
-        entry.backend, entry.tokens = bid, tokens
-        entry.work = self.inflight_tokens.get(bid, 0) + tokens
-        self._count(entry)
-
-    def served(self, decision_id: str) -> Served | None:
-        """The request's prompt, once: its first byte (or its whole JSON answer) came back, so the
-        backend has counted its prompt tokens. None when unknown or already taken."""
-        entry = self._inflight.get(decision_id)
-        if entry is None or entry.prompt_bytes == 0:
-            return None
-        out = Served(entry.backend, entry.model, entry.prompt_bytes)
-        entry.prompt_bytes = 0
-        return out
-
-    def finish(self, decision_id: str) -> None:
-        entry = self._inflight.pop(decision_id, None)
-        if entry is not None:
-            self._uncount(entry)
-
-    def drop(self, decision_id: str, now: float) -> None:
-        """Nginx will not use this decision: stop counting it, or never start if it comes later."""
-        if decision_id in self._inflight:
-            self.finish(decision_id)
-            return
-        self._dropped[decision_id] = now
-        if len(self._dropped) > DROP_MEMORY_MAX:
-            del self._dropped[next(iter(self._dropped))]
-
-    def prefill_done(self, decision_id: str, backend: str, now: float) -> FirstByte | None:
-        """The first byte came back from ``backend``: this request no longer waits for prefill. The
-        time it took, when the backend it was routed to answered (not a fallback after a failure)."""
-        entry = self._inflight.get(decision_id)
-        if entry is None or entry.work < 0:
-            return None
-        b = entry.backend
-        self.inflight_tokens[b] = max(0, self.inflight_tokens.get(b, 0) - entry.tokens)
-        entry.tokens = 0
-        work, entry.work = entry.work, -1  # once per request
-        return FirstByte(b, work, now - entry.at) if backend == b else None
-
-    def expire_inflight(self, now: float) -> None:
-        for did in [d for d, e in self._inflight.items() if now - e.at > INFLIGHT_EXPIRY_S]:
-            self.finish(did)
-        for did in [d for d, at in self._dropped.items() if now - at > DROP_MEMORY_S]:
-            del self._dropped[did]
-
-    def inflight_total(self) -> int:
-        return len(self._inflight)
-
     def outcome(self, bid: str, status: int, ttft: float | None, cut: bool = False, now: float = 0.0) -> None:
         """One request's result on ``bid``, for its TTFT average and its passive health."""
         s = self.backends.get(bid)
@@ -467,8 +355,8 @@ class Registry:
                     else s.spec.metrics,
                     "state": s.state,
                     "models": sorted(s.models),
-                    "inflight": self.inflight.get(bid, 0),
-                    "inflight_tokens": self.inflight_tokens.get(bid, 0),
+                    "inflight": self.ledger.counts.get(bid, 0),
+                    "inflight_tokens": self.ledger.tokens.get(bid, 0),
                     "load": {
                         "known": load.known,
                         "requests": load.requests,

@@ -19,14 +19,8 @@ Every Redis call has a short explicit timeout. After a failure the store answers
 in-process map for ``retry_after`` before trying Redis again, so a dead Redis costs one timeout per
 interval, not one per request; bindings made meanwhile are written back when Redis returns.
 
-Claims and rebinds go to Redis as pipelines (``Batch``), at most ``PIPELINES`` in flight on
-connections opened at startup (``warm``): what is issued while they are all out goes in the next one
-to leave. A burst of N new sessions (N clients starting at once) then costs a few round trips on
-open connections, not N round trips on N new ones: each new connection is a connect and two
-handshake round trips (redis-py names itself with CLIENT SETINFO), which under load took a burst's
-claims to 15-40 ms. Several in flight, not one: Redis answers all its readable clients in one wakeup,
-so under CPU contention parallel pipelines cost one wait for a core where a chain of them costs one
-each (measured: one in flight left a burst's claims at 20-41 ms).
+Claims and rebinds go to Redis as pipelines (``kvgate.redis_batch``) on connections opened at
+startup (``warm``); the bindings this sidecar knows are in ``kvgate.local_sessions``.
 
 A decision waits for its Redis round trip at most ``decision_wait_s`` (``within``): past it, Redis
 is queued behind busy cores rather than down, and the decision is answered with what it assumed
@@ -43,6 +37,9 @@ processes: over 50 ms 0.84 and 5.61 % of decisions waiting, 0.02 and 0.98 % answ
 claim that finds another binding anyway (a replica not counted yet) makes the binding follow where
 the request went (its whole prompt is cached there now) and puts decisions back to waiting for
 ``REWAIT_S``.
+
+Over 300 lines: the cached, claimed and lone-replica paths share one local map, one Redis
+failure window and one write-back list; apart, each would reach into the others' state.
 """
 
 from __future__ import annotations
@@ -50,19 +47,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Coroutine
+from enum import Enum
 from typing import Any, NamedTuple, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from kvgate.config import RedisConfig
+from kvgate.local_sessions import LocalSessions
 from kvgate.metrics import SidecarMetrics
+from kvgate.redis_batch import Batch
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-PIPELINES = 4  # Redis pipelines in flight at once, on connections opened at startup
 LOCAL_FRESH_S = 2.0  # how long a binding read from Redis is trusted without asking again
 TTL_REFRESH_EVERY_S = 1.0
 REWAIT_S = 30.0  # after a claim found a binding a lone replica did not know: wait for claims again
@@ -76,103 +74,18 @@ def _text(value: bytes | str) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
+class ClaimMode(Enum):
+    """Whether a decision waits for its session claim's answer (``answers_first``)."""
+
+    SHARED = "shared"  # other replicas bind too (or the count is unknown): decisions wait for claims
+    READING = "reading"  # alone; reading the bindings Redis holds into the local map (``preload``)
+    ALONE = "alone"  # alone with Redis's bindings read: decisions answer first, claims behind
+    REWAIT = "rewait"  # alone, but a claim found a binding this replica did not know: wait a while
+
+
 class Cached(NamedTuple):
     node: str
     fresh: bool  # usable without a Redis round trip
-
-
-class LocalSessions:
-    """Bounded LRU map: key -> (backend, monotonic time it was last confirmed with Redis)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._map: OrderedDict[str, tuple[str, float]] = OrderedDict()
-
-    def get(self, key: str) -> tuple[str, float] | None:
-        entry = self._map.get(key)
-        if entry is not None:
-            self._map.move_to_end(key)
-        return entry
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-    def set(self, key: str, node: str, confirmed: float) -> None:
-        self._map[key] = (node, confirmed)
-        self._map.move_to_end(key)
-        while len(self._map) > self.capacity:
-            self._map.popitem(last=False)
-
-
-class Batch:
-    """Redis commands sent as pipelines, at most ``PIPELINES`` in flight: those issued in the same
-    turn of the event loop, or while every pipeline was out, go together in the next to leave."""
-
-    def __init__(self, client: aioredis.Redis) -> None:
-        self.client = client
-        self._pending: list[tuple[str, tuple[Any, ...], dict[str, Any], asyncio.Future[Any]]] = []
-        self._in_flight: set[asyncio.Task[Exception | None]] = set()
-        self._scheduled = False
-
-    def call(self, command: str, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._pending.append((command, args, kwargs, future))
-        if len(self._in_flight) < PIPELINES and not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._send)  # after every decision that is ready in this turn
-        return future
-
-    def _send(self) -> None:
-        self._scheduled = False
-        if not self._pending or len(self._in_flight) >= PIPELINES:
-            return
-        batch, self._pending = self._pending, []
-        task = asyncio.create_task(self._run(batch))
-        self._in_flight.add(task)
-        task.add_done_callback(self._sent)
-
-    def _sent(self, task: asyncio.Task[Exception | None]) -> None:
-        self._in_flight.discard(task)
-        failed: BaseException | None = None
-        if not task.cancelled():
-            failed = task.exception() or task.result()  # an unforeseen error fails the queue too
-        if failed is not None:
-            # What waits for a pipeline would wait on the same server: it fails now, and its
-            # callers route from local memory at once instead of after a second timeout.
-            waiting, self._pending = self._pending, []
-            for *_, future in waiting:
-                if not future.done():
-                    future.set_exception(failed)
-            return
-        self._send()  # what was issued while every pipeline was out
-
-    async def _run(
-        self, batch: list[tuple[str, tuple[Any, ...], dict[str, Any], asyncio.Future[Any]]]
-    ) -> Exception | None:
-        """Send one pipeline and resolve its callers' futures; returns the error that failed it."""
-        # Cancelled (shutdown) or failed in an unforeseen way: no caller may wait forever.
-        failed: Exception = RedisError("the pipeline ended without a reply")
-        try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for command, args, kwargs, _ in batch:
-                    getattr(pipe, command)(*args, **kwargs)
-                results = await pipe.execute(raise_on_error=False)
-            for (*_, future), result in zip(batch, results, strict=True):
-                if future.done():
-                    continue
-                if isinstance(result, Exception):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
-            return None
-        except (RedisError, OSError) as exc:
-            failed = exc
-            return exc
-        finally:
-            for *_, future in batch:
-                if not future.done():
-                    future.set_exception(failed)
 
 
 class SessionStore:
@@ -188,10 +101,9 @@ class SessionStore:
         self._set_get = True  # Redis >= 7 accepts SET NX GET; older servers get two commands
         self._batch = Batch(client) if client is not None else None
         self._writes: set[asyncio.Task[Any]] = set()
-        self._alone = False  # counted alone by the replicas' heartbeat (unknown counts as shared)
-        self._preloaded = False  # the bindings Redis held when this replica was last found alone
+        self.mode = ClaimMode.SHARED  # until the replicas' heartbeat counts this one alone
         self._preload: asyncio.Task[None] | None = None
-        self._wait_until = 0.0
+        self._rewait_until = 0.0  # REWAIT ends here
 
     def _key(self, key: str) -> str:
         return f"{self.config.prefix}:s:{key}"
@@ -210,26 +122,29 @@ class SessionStore:
     def answers_first(self) -> bool:
         """May a decision go before its claim's answer (``claim_behind``)? Only when no other
         replica binds: alone, with what Redis held read in, and Redis up (else claims are local)."""
-        return self._alone and self._preloaded and self.redis_ok and time.monotonic() >= self._wait_until
+        if self.mode is ClaimMode.REWAIT and time.monotonic() >= self._rewait_until:
+            self.mode = ClaimMode.ALONE
+        return self.mode is ClaimMode.ALONE and self.redis_ok
 
     def set_replicas(self, n: int) -> asyncio.Task[None] | None:
         """The gateway replicas counted on this Redis (``kvgate.replicas``). Found alone, this one
         reads the bindings in Redis before it answers first (the preload started, returned); found
         shared, it waits for claims."""
-        alone = n == 1
-        started = None
-        if alone and not self._alone and self.client is not None:
-            self._preloaded = False
-            started = self._preload = asyncio.create_task(self.preload(), name="session-preload")
-        if not alone:
-            if self._alone:
-                logger.warning("%d gateway replicas share redis: decisions wait for their session claims", n)
-            self._preloaded = False
-            if self._preload is not None:
-                self._preload.cancel()
-                self._preload = None
-        self._alone = alone
-        return started
+        if n == 1:
+            if self.mode is not ClaimMode.SHARED:
+                return None
+            self.mode = ClaimMode.READING
+            if self.client is None:
+                return None
+            self._preload = asyncio.create_task(self.preload(), name="session-preload")
+            return self._preload
+        if self.mode is not ClaimMode.SHARED:
+            logger.warning("%d gateway replicas share redis: decisions wait for their session claims", n)
+        self.mode = ClaimMode.SHARED
+        if self._preload is not None:
+            self._preload.cancel()
+            self._preload = None
+        return None
 
     async def preload(self) -> None:
         """Read every binding in Redis into the local map, unconfirmed (a decision assumes it and its
@@ -262,9 +177,11 @@ class SessionStore:
             # Not taken for Redis being down (a SCAN step may outlast the decisions' tight timeout
             # on a busy host): decisions keep waiting for claims, and the next beat retries.
             logger.warning("reading the session bindings from redis failed (%s); retrying", exc)
-            self._alone = False
+            self.mode = ClaimMode.SHARED
             return
-        self._preloaded = True
+        if self.mode is not ClaimMode.READING:
+            return  # shared again meanwhile
+        self.mode = ClaimMode.ALONE
         logger.warning(
             "the only gateway replica on redis: %d session binding(s) read; decisions no longer wait "
             "for their session claims",
@@ -287,7 +204,7 @@ class SessionStore:
             return node, False
         bound, existed = claimed
         if bound != node:
-            self._wait_until = time.monotonic() + REWAIT_S
+            self.mode, self._rewait_until = ClaimMode.REWAIT, time.monotonic() + REWAIT_S
             logger.info("%s was bound to %s, unknown to this replica; waiting for claims again", key, bound)
             await self.rebind(key, node)
         return bound, existed
@@ -457,23 +374,9 @@ class SessionStore:
             self._failed(exc, "refresh")
 
     async def warm(self) -> None:
-        """Open the connections the pipelines will use, before the first request needs them. A
-        Redis that is down now is found by the first claim, as at any other time."""
-        if self.client is None:
-            return
-        pool = self.client.connection_pool
-        held: list[Any] = []
-        try:
-            # Held together, so each is a connection of its own: pings in parallel can finish and
-            # hand their connection back before the last one asks for one, and open fewer (seen on
-            # a busy machine: three of four).
-            for _ in range(PIPELINES):
-                held.append(await pool.get_connection())  # type: ignore[no-untyped-call]  # redis-py
-        except (RedisError, OSError) as exc:
-            logger.warning("redis did not answer at startup (%s); sessions will retry it", exc)
-        finally:
-            for conn in held:
-                await pool.release(conn)
+        """Open the connections the pipelines will use, before the first request needs them."""
+        if self._batch is not None:
+            await self._batch.warm()
 
     async def within(self, work: Coroutine[Any, Any, T]) -> T | None:
         """``work``'s result if it ends within ``decision_wait_s``, else None while it goes on: a

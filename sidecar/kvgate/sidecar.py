@@ -36,8 +36,9 @@ class Sidecar:
 def build_sidecar(config: Config, redis: aioredis.Redis | None) -> Sidecar:
     """The routing core over ``config``; ``redis`` None keeps sessions in process memory only."""
     metrics = SidecarMetrics()
-    registry = Registry(config.scrape, config.routing, metrics, OutlierDetector(config.outlier))
-    registry.pool_label = config.pools.label
+    registry = Registry(
+        config.scrape, config.routing, metrics, OutlierDetector(config.outlier), pool_label=config.pools.label
+    )
     sessions = SessionStore(config.redis, metrics, redis)
     index = PrefixIndex(config.routing.prefix_index_blocks)
     limiter = RateLimiter(config.limits, config.auth, redis, config.redis.prefix) if config.limited else None

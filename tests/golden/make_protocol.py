@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvgate import protocol
 from kvgate.features import Features
-from kvgate.protocol import (
+from kvgate.messages import (
     Candidate,
     Decide,
     DecisionReply,

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvgate import protocol
 from kvgate.features import Features, extract
-from kvgate.protocol import Decide, DecisionReply, Message, Outcome, Reply, Report
+from kvgate.messages import Decide, DecisionReply, Message, Outcome, Reply, Report
 
 
 class DecisionClient:

@@ -1,0 +1,110 @@
+"""Admission: who may send a request now, and in which class it waits.
+
+A request is counted against its API key's and its client address's rate limits when it is decided
+(its prompt's estimated tokens plus the output it may generate), corrected by the usage the backend
+reports at its end, and given back when it never runs (it left the gateway queue, or its client went
+away). Under a token limit a request without ``max_tokens`` is given one, so no stream outruns its
+budget. The class a request waits in (vLLM's priority: lower goes first) comes from the client when
+clients may choose, else from its key.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from collections import OrderedDict
+
+from kvgate.config import Config
+from kvgate.features import Features
+from kvgate.limits import DEFAULT_OUTPUT_TOKENS, RateLimiter
+from kvgate.messages import KeysReply, Outcome
+from kvgate.metrics import SidecarMetrics
+
+MAX_ADMITTED = 100_000  # decisions whose token count awaits its correction (bounded: reports can be lost)
+
+
+class RateLimited(Exception):
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"rate limited; retry after {retry_after:.0f}s")
+        self.retry_after = retry_after
+
+
+class Admission:
+    def __init__(self, config: Config, metrics: SidecarMetrics, limiter: RateLimiter | None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.limiter = limiter
+        # decision id -> (identities, tokens counted at admission, max_tokens given), until it ends
+        self._admitted: OrderedDict[str, tuple[list[str], int, int | None]] = OrderedDict()
+        self._key_priority = {k.name: k.priority for k in config.auth.keys if k.priority is not None}
+
+    def __len__(self) -> int:
+        return len(self._admitted)
+
+    def priority_of(self, f: Features) -> int:
+        """The request's class in the gateway queue: what the client asked for when clients may
+        choose, else its API key's, else 0 (vLLM's sense: lower goes first)."""
+        if f.priority is not None and self.config.queue.client_priority:
+            return f.priority
+        if f.client_key is not None:
+            return self._key_priority.get(f.client_key, 0)
+        return 0
+
+    def admit(self, did: str, f: Features) -> None:
+        """Count the request against its key's and its address's limits, or raise RateLimited. Under
+        a token limit, a request without max_tokens is given one (what the limit has left after its
+        prompt, at most ``limits.default_max_tokens``), counted as such."""
+        if self.limiter is None:
+            return
+        identities = ([f"key:{f.client_key}"] if f.client_key else []) + (
+            [f"ip:{f.client_addr}"] if f.client_addr else []
+        )
+        if not identities:
+            return
+        now = time.time()
+        output, given = f.max_tokens, None
+        if output is None:
+            room = self.limiter.headroom(identities, now)
+            if room is not None:
+                output = given = max(1, min(self.config.limits.default_max_tokens, int(room) - f.est_tokens))
+        tokens = f.est_tokens + (output if output is not None else DEFAULT_OUTPUT_TOKENS)
+        retry = self.limiter.admit(identities, tokens, now)
+        if retry is not None:
+            self.metrics.rate_limited.labels(identities[0].partition(":")[0]).inc()
+            raise RateLimited(retry)
+        self._admitted[did] = (identities, tokens, given)
+        if len(self._admitted) > MAX_ADMITTED:
+            self._admitted.popitem(last=False)
+
+    def given_max_tokens(self, did: str) -> int | None:
+        """The max_tokens admission gave this request (to write into its body), if any."""
+        admitted = self._admitted.get(did)
+        return None if admitted is None else admitted[2]
+
+    def unadmit(self, did: str) -> None:
+        """A request that never ran gives its admitted tokens back."""
+        admitted = self._admitted.pop(did, None)
+        if admitted is not None and self.limiter is not None:
+            identities, counted, _ = admitted
+            self.limiter.correct(identities, -counted, time.time())
+
+    def forget(self, did: str) -> None:
+        """A decision that ended without a usage to correct by (dropped before it ran)."""
+        self._admitted.pop(did, None)
+
+    def settle(self, o: Outcome) -> None:
+        """The request ended: correct its token count from the usage the backend reported."""
+        if o.decision_id is None or self.limiter is None:
+            return
+        admitted = self._admitted.pop(o.decision_id, None)
+        if admitted is None or o.prompt_tokens is None or o.completion_tokens is None:
+            return
+        identities, counted, _ = admitted
+        self.limiter.correct(identities, o.prompt_tokens + o.completion_tokens - counted, time.time())
+
+    def keys(self) -> KeysReply:
+        """The hashed API keys Nginx checks (versioned, so Nginx re-reads them only on change)."""
+        keys = {k.sha256: k.name for k in self.config.auth.keys}
+        version = zlib.crc32(json.dumps(keys, sort_keys=True).encode())
+        return KeysReply(version, keys)

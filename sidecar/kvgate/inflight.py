@@ -1,0 +1,141 @@
+"""The in-flight ledger: each decision Nginx has not yet reported the end of, where it went and the
+prefill it still owes, summed per backend for the policies (``Snapshot.inflight``, ``inflight_tokens``).
+
+A decision is counted when it is committed (``start``), moves when its session turns out bound
+elsewhere (``move``), owes no prefill once its first byte is back (``prefill_done``) and leaves at its
+end or drop (``finish``, ``drop``); ``_uncount`` is the one place its counts come down. A drop that
+overtakes its decision keeps that decision from ever counting; a decision never reported (a gateway
+that crashed) stops counting after ``INFLIGHT_EXPIRY_S``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+INFLIGHT_EXPIRY_S = 600.0  # a decision never reported (gateway crash) stops counting after this
+DROP_MEMORY_S = 10.0  # a drop that overtook its decision keeps that decision from counting
+DROP_MEMORY_MAX = 100_000
+
+
+@dataclass(slots=True)
+class _Entry:
+    backend: str
+    tokens: int  # uncached prompt tokens still to prefill (0 once the first byte came back)
+    at: float
+    model: str | None = None
+    prompt_bytes: int = 0  # the prompt's size, until the backend has counted its tokens (then 0)
+    work: int = 0  # prefill tokens ahead of its first token when routed (others' queued and its own)
+
+
+class FirstByte(NamedTuple):
+    """A decision's first byte came back: what ``kvgate.first_byte`` learns from."""
+
+    backend: str
+    work: int  # prefill tokens ahead of it when it was routed there
+    seconds: float  # from the decision to its first-byte report
+
+
+class Served(NamedTuple):
+    """A prompt the backend has now counted (its first token came back): what the token estimate
+    learns from."""
+
+    backend: str
+    model: str | None
+    prompt_bytes: int
+
+
+class InflightLedger:
+    def __init__(self, known: Callable[[str], bool]) -> None:
+        self._known = known  # whether a backend is still a member (a decision may outlive it)
+        self._entries: dict[str, _Entry] = {}
+        self._dropped: dict[str, float] = {}  # decision id -> when its drop came
+        self.counts: dict[str, int] = {}  # backend -> requests routed, not reported
+        self.tokens: dict[str, int] = {}  # backend -> their uncached tokens
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def start(
+        self,
+        decision_id: str,
+        bid: str,
+        tokens: int,
+        now: float,
+        model: str | None = None,
+        prompt_bytes: int = 0,
+    ) -> bool:
+        """Count a decision in flight on ``bid`` with ``tokens`` uncached prompt tokens; False when
+        Nginx dropped it already (its drop report overtook the decision)."""
+        if self._dropped.pop(decision_id, None) is not None or not self._known(bid):
+            return False
+        work = self.tokens.get(bid, 0) + tokens
+        entry = _Entry(bid, tokens, now, model, prompt_bytes, work)
+        self._count(entry)
+        self._entries[decision_id] = entry
+        return True
+
+    def _count(self, entry: _Entry) -> None:
+        b = entry.backend
+        self.counts[b] = self.counts.get(b, 0) + 1
+        self.tokens[b] = self.tokens.get(b, 0) + entry.tokens
+
+    def _uncount(self, entry: _Entry) -> None:
+        """Where the counts ``_count`` raised come down: a decision that ended, or moved."""
+        b = entry.backend
+        self.counts[b] = max(0, self.counts.get(b, 0) - 1)
+        self.tokens[b] = max(0, self.tokens.get(b, 0) - entry.tokens)
+
+    def move(self, decision_id: str, bid: str, tokens: int) -> None:
+        """The decision now goes to ``bid`` with ``tokens`` uncached prompt tokens (the session it
+        belongs to turned out bound there). Nothing when it ended meanwhile (dropped by Nginx)."""
+        entry = self._entries.get(decision_id)
+        if entry is None or not self._known(bid):
+            return
+        self._uncount(entry)
+        entry.backend, entry.tokens = bid, tokens
+        entry.work = self.tokens.get(bid, 0) + tokens
+        self._count(entry)
+
+    def served(self, decision_id: str) -> Served | None:
+        """The request's prompt, once: its first byte (or its whole JSON answer) came back, so the
+        backend has counted its prompt tokens. None when unknown or already taken."""
+        entry = self._entries.get(decision_id)
+        if entry is None or entry.prompt_bytes == 0:
+            return None
+        out = Served(entry.backend, entry.model, entry.prompt_bytes)
+        entry.prompt_bytes = 0
+        return out
+
+    def finish(self, decision_id: str) -> None:
+        entry = self._entries.pop(decision_id, None)
+        if entry is not None:
+            self._uncount(entry)
+
+    def drop(self, decision_id: str, now: float) -> None:
+        """Nginx will not use this decision: stop counting it, or never start if it comes later."""
+        if decision_id in self._entries:
+            self.finish(decision_id)
+            return
+        self._dropped[decision_id] = now
+        if len(self._dropped) > DROP_MEMORY_MAX:
+            del self._dropped[next(iter(self._dropped))]
+
+    def prefill_done(self, decision_id: str, backend: str, now: float) -> FirstByte | None:
+        """The first byte came back from ``backend``: this request no longer waits for prefill. The
+        time it took, when the backend it was routed to answered (not a fallback after a failure)."""
+        entry = self._entries.get(decision_id)
+        if entry is None or entry.work < 0:
+            return None
+        b = entry.backend
+        self.tokens[b] = max(0, self.tokens.get(b, 0) - entry.tokens)
+        entry.tokens = 0
+        work, entry.work = entry.work, -1  # once per request
+        return FirstByte(b, work, now - entry.at) if backend == b else None
+
+    def expire(self, now: float) -> None:
+        for did in [d for d, e in self._entries.items() if now - e.at > INFLIGHT_EXPIRY_S]:
+            self.finish(did)
+        for did in [d for d, at in self._dropped.items() if now - at > DROP_MEMORY_S]:
+            del self._dropped[did]

@@ -1,0 +1,95 @@
+"""Outcomes: what Nginx reports about each decision, applied to what the sidecar knows.
+
+A ``first`` report (a stream's first byte) ends the request's share of its backend's prefill queue,
+teaches the first-byte budget and the bytes-per-token ratio, and binds a Responses API id to the
+backend that stores it. A ``drop`` (the request never ran) takes it out of the gateway queue and the
+in-flight ledger and gives its admission back. An ``end`` finishes it in flight, corrects its token
+count, and feeds health and the metrics; a ``try`` (a candidate that failed before the one that
+answered) feeds health alone. Every decision ends in exactly one ``end`` or ``drop``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from kvgate.admission import Admission
+from kvgate.features import session_key
+from kvgate.first_byte import FirstByteBudget
+from kvgate.messages import Outcome, OutcomeKind
+from kvgate.metrics import SidecarMetrics
+from kvgate.registry import Registry
+from kvgate.sessions import SessionStore
+from kvgate.tokens import TokenEstimator
+
+
+class Outcomes:
+    def __init__(
+        self,
+        registry: Registry,
+        sessions: SessionStore,
+        admission: Admission,
+        tokens: TokenEstimator,
+        first_byte: FirstByteBudget,
+        metrics: SidecarMetrics,
+        leave_queue: Callable[[str], None],
+    ) -> None:
+        self.registry = registry
+        self.sessions = sessions
+        self.admission = admission
+        self.tokens = tokens
+        self.first_byte = first_byte
+        self.metrics = metrics
+        self._leave_queue = leave_queue  # a dropped request still waiting leaves the gateway queue
+
+    def apply(self, outcomes: Iterable[Outcome]) -> None:
+        now = time.monotonic()
+        for o in outcomes:
+            if o.kind is OutcomeKind.FIRST:
+                self._first(o, now)
+            elif o.kind is OutcomeKind.DROP:
+                assert o.decision_id is not None
+                self._leave_queue(o.decision_id)
+                self.registry.ledger.drop(o.decision_id, now)
+                self.admission.forget(o.decision_id)
+                self.metrics.dropped.inc()
+            else:
+                self._ended(o, now)
+
+    def _first(self, o: Outcome, now: float) -> None:
+        assert o.decision_id is not None
+        self._learn_tokens(o.decision_id)
+        self.registry.alive(o.backend, now)
+        answered = self.registry.ledger.prefill_done(o.decision_id, o.backend, now)
+        if answered is not None:
+            self.first_byte.learn(*answered)
+            if len(self.first_byte) > len(self.registry.backends):
+                self.first_byte.forget(set(self.registry.backends))
+        if o.response_id is not None:
+            # The backend stores this response: the conversation's next turn must come back.
+            self.sessions.remember(session_key("r", o.response_id), o.backend)
+
+    def _ended(self, o: Outcome, now: float) -> None:
+        """An ``end`` (with a decision id, or none when Nginx routed on its own) or a ``try``."""
+        if o.decision_id is not None:
+            if o.status == 200 and not o.cut:
+                self._learn_tokens(o.decision_id)  # a JSON answer: its first byte came with its end
+            self.registry.ledger.finish(o.decision_id)
+            self.admission.settle(o)
+        if o.response_id is not None and o.backend and o.status == 200:
+            # The backend stores this response: the conversation's next turn must come back.
+            self.sessions.remember(session_key("r", o.response_id), o.backend)
+        if not o.backend:
+            return
+        self.registry.outcome(o.backend, o.status, o.ttft, o.cut, now)
+        self.metrics.outcomes.labels(o.backend, "cut" if o.cut else str(o.status)).inc()
+        if o.ttft is not None:
+            self.metrics.ttft.labels(o.backend).observe(o.ttft)
+        elif o.duration is not None and o.kind is OutcomeKind.END:
+            self.metrics.e2e.labels(o.backend).observe(o.duration)
+
+    def _learn_tokens(self, decision_id: str) -> None:
+        """The backend has counted this request's prompt: its bytes go beside that count."""
+        served = self.registry.ledger.served(decision_id)
+        if served is not None:
+            self.tokens.served(served.backend, served.model, served.prompt_bytes)

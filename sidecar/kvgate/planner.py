@@ -1,0 +1,177 @@
+"""The planner: what a decision would be now, before anything is written, and how Nginx gets it.
+
+It gathers what the policy needs (the snapshot of the request's pool, or the pool it spills to, or
+the prefill and decode sides of a disaggregated model; the prefix index's match; the session binding
+this sidecar holds) and calls the pure policy (``kvgate.policies``). It writes nothing: the in-flight
+count, the binding and the index change only when the decision is committed (``kvgate.service``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvgate.config import Config, PolicyName
+from kvgate.features import Features
+from kvgate.first_byte import FirstByteBudget
+from kvgate.messages import Candidate
+from kvgate.metrics import SidecarMetrics
+from kvgate.policies import Decision, Request, Snapshot, decide, uncached_tokens
+from kvgate.prefix_index import Match, PrefixIndex
+from kvgate.registry import Registry
+from kvgate.sessions import SessionStore
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """One decision as the service made it: the policy's choice with the backends' addresses."""
+
+    decision_id: str
+    policy: PolicyName
+    decision: Decision
+    candidates: tuple[Candidate, ...]
+    pool: str | None = None  # the pool it was decided in, when pools are configured
+    priority: int = 0  # the request's effective priority (the gateway queue's class)
+    prefill: tuple[Candidate, ...] = ()  # disaggregated: where the prefill leg goes
+    first_byte_ms: tuple[int, ...] = ()  # each candidate's first-byte timeout (kvgate.first_byte)
+
+    @property
+    def label(self) -> str:
+        """``X-Kvgate-Route``: the policy's reason, ``pd/`` when disaggregated, ``@pool`` in a pool."""
+        label = self.decision.label
+        if self.prefill:
+            label = f"pd/{label}"
+        return label if self.pool is None or self.prefill else f"{label}@{self.pool}"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a decision would be now, before anything is written. Disaggregated, ``decision`` is the
+    prefill leg's (prefix affinity, sessions, the in-flight prefill count all live there) and
+    ``decode`` the decode leg's backends (by load)."""
+
+    snap: Snapshot
+    req: Request
+    decision: Decision
+    pool: str | None
+    decode: tuple[str, ...] = ()
+    confirmed: bool = True  # the session binding the decision assumed needs no Redis round trip
+    matched: Match | None = None  # the prefix index's match, which ``record`` continues from
+
+
+class Planner:
+    def __init__(
+        self,
+        config: Config,
+        registry: Registry,
+        sessions: SessionStore,
+        index: PrefixIndex,
+        metrics: SidecarMetrics,
+        first_byte: FirstByteBudget,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.sessions = sessions
+        self.index = index
+        self.metrics = metrics
+        self.first_byte = first_byte
+
+    async def plan(self, f: Features, policy: PolicyName, seq: int, dry_run: bool) -> Plan:
+        """The decision the policy makes now, in the request's pool (or the pool it spills to), or
+        disaggregated: the prefill leg by the policy among prefill backends, the decode leg to the
+        least loaded decode backends. With either side empty the request is served co-located."""
+        disagg = self.config.disaggregation
+        if disagg.applies(f.model):
+            prefill = self.registry.snapshot(f.model, pool=disagg.prefill_pool, label=disagg.label)
+            decode = self.registry.snapshot(f.model, pool=disagg.decode_pool, label=disagg.label)
+            if prefill.nodes and decode.nodes:
+                plan = await self._plan_in(f, policy, seq, dry_run, prefill, disagg.prefill_pool)
+                limit = self.config.routing.max_candidates
+                legs = decide(PolicyName.LEAST_LOAD, Request(f, seq), decode, limit).candidates
+                return dataclasses.replace(plan, decode=legs)
+            self.metrics.pd_colocated.inc()
+        pool = None
+        snap = self.registry.snapshot(f.model)
+        pools = self.config.pools
+        if pools.enabled:
+            rule = pools.pick(f.model, f.est_tokens)
+            if rule is not None:
+                pool, snap = self._pool_snapshot(f.model, rule.pool)
+        return await self._plan_in(f, policy, seq, dry_run, snap, pool)
+
+    async def _plan_in(
+        self, f: Features, policy: PolicyName, seq: int, dry_run: bool, snap: Snapshot, pool: str | None
+    ) -> Plan:
+        limit = self.config.routing.max_candidates
+        depth: dict[str, int] = {}
+        shared = 0
+        match = None
+        uses_index = policy in (PolicyName.KVGATE, PolicyName.PREFIX)
+        if uses_index and f.hashes and snap.nodes:
+            match = self.index.match(f.hashes, snap.nodes)
+            depth, shared = match.depth, match.shared
+        keyed = policy is PolicyName.KVGATE and f.key is not None and bool(snap.nodes)
+        bound, confirmed = None, True
+        if keyed and f.key:
+            if dry_run:
+                bound = await self.sessions.peek(f.key)
+            elif (known := self.sessions.cached(f.key)) is not None:
+                bound, confirmed = known
+        req = Request(f, seq, bound, depth, shared)
+        return Plan(snap, req, decide(policy, req, snap, limit), pool, confirmed=confirmed, matched=match)
+
+    def _pool_snapshot(self, model: str | None, pool: str) -> tuple[str, Snapshot]:
+        """The pool's backends, or the first pool in its spill order that has room (the pool itself
+        when none has: the request then waits there, or queues at the gateway)."""
+        first = snap = self.registry.snapshot(model, pool=pool)
+        if any(snap.has_room(n) for n in snap.nodes):
+            return pool, snap
+        for other in self.config.pools.spill.get(pool, ()):
+            snap = self.registry.snapshot(model, pool=other)
+            if any(snap.has_room(n) for n in snap.nodes):
+                self.metrics.pool_spills.labels(pool, other).inc()
+                return other, snap
+        return pool, first
+
+    @staticmethod
+    def must_wait(plan: Plan) -> bool:
+        """Whether the request waits at the gateway: its backend has no room now, and neither has
+        any other it could go to (a /v1/responses turn can only go to its own)."""
+        snap = plan.snap
+        if snap.has_room(plan.decision.candidates[0]):
+            return False
+        strict = plan.req.features.key_source == "response"
+        return strict or not any(snap.has_room(n) for n in snap.nodes)
+
+    def routed(
+        self, did: str, policy: PolicyName, plan: Plan, priority: int, counted: tuple[str, int] = ("", 0)
+    ) -> Routed:
+        """The decision as Nginx gets it; ``counted``: the backend this request is already counted
+        in flight on, with its tokens (not work ahead of itself)."""
+
+        def pairs(ids: tuple[str, ...]) -> tuple[Candidate, ...]:
+            return tuple(Candidate(b, self.registry.address(b)) for b in ids)
+
+        if plan.decode:  # disaggregated: Nginx runs the prefill leg, then proxies to a decoder
+            prefill, ids = pairs(plan.decision.candidates), plan.decode
+        else:
+            prefill, ids = (), plan.decision.candidates
+        budgets = self._first_byte(plan, ids, counted)
+        return Routed(did, policy, plan.decision, pairs(ids), plan.pool, priority, prefill, budgets)
+
+    def _first_byte(self, plan: Plan, ids: tuple[str, ...], counted: tuple[str, int]) -> tuple[int, ...]:
+        """Each candidate's first-byte timeout: the prefill ahead of this request there, as the
+        policy saw it. Backends outside the plan's snapshot (decoders) or with untrusted load get
+        the ceiling."""
+        snap, req = plan.snap, plan.req
+        queued = self.registry.ledger.tokens
+        out = []
+        for b in ids:
+            work = queued.get(b, 0) - (counted[1] if b == counted[0] else 0)
+            work += uncached_tokens(req.features, req.prefix_depth.get(b, 0))
+            node = snap.nodes.get(b)
+            trusted = (
+                node is not None and node.load.known and not node.load.kv_short and not snap.saturated(b)
+            )
+            out.append(self.first_byte.budget_ms(b, work, trusted))
+        return tuple(out)

@@ -1,0 +1,46 @@
+"""Outcome reports applied alone: each kind changes what it owns and nothing else, and every count
+a decision raised is back at zero once its one end or drop is in."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvgate.features import Features, session_key
+from kvgate.messages import Outcome
+
+from tests.cores import MODEL, core
+
+
+def feats(i: int) -> Features:
+    return Features(MODEL, None, "none", (f"x{i}",), 8_000)
+
+
+def test_first_byte_ends_the_prefill_share_and_end_the_request() -> None:
+    sc = core()
+    r = asyncio.run(sc.service.route(feats(1), "d1"))
+    b = r.candidates[0].id
+    assert sc.registry.ledger.tokens[b] == 2_000 and sc.registry.ledger.counts[b] == 1
+    sc.service.outcomes.apply([Outcome.first("d1", b)])
+    assert sc.registry.ledger.tokens[b] == 0 and sc.registry.ledger.counts[b] == 1
+    sc.service.outcomes.apply([Outcome.end("d1", b, 200, True, 0.2, 1.0)])
+    assert sc.registry.ledger.counts[b] == 0 and len(sc.registry.ledger) == 0
+
+
+def test_a_try_counts_against_its_backend_alone_and_a_drop_ends_its_decision() -> None:
+    sc = core(outlier={"consecutive": 2})
+    r = asyncio.run(sc.service.route(feats(2), "d2"))
+    sc.service.outcomes.apply([Outcome.tried("b0", 502), Outcome.tried("b0", 502)])
+    assert not sc.registry.snapshot(MODEL).nodes.get("b0")  # ejected after two failures
+    assert len(sc.registry.ledger) == 1  # the decision is still in flight
+    sc.service.outcomes.apply([Outcome.drop("d2")])
+    assert len(sc.registry.ledger) == 0 and sum(sc.registry.ledger.counts.values()) == 0
+    assert r.candidates
+
+
+def test_a_response_id_binds_the_next_turn_to_the_backend_that_stores_it() -> None:
+    sc = core()
+    asyncio.run(sc.service.route(feats(3), "d3"))
+    sc.service.outcomes.apply([Outcome.first("d3", "b1", response_id="resp_abc")])
+    assert asyncio.run(sc.sessions.peek(session_key("r", "resp_abc"))) == "b1"
+    sc.service.outcomes.apply([Outcome.end("d3", "b1", 200)])
+    assert len(sc.registry.ledger) == 0

@@ -1,0 +1,62 @@
+"""The planner alone: what a decision would be, written nowhere; how Nginx gets it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvgate.config import PolicyName
+from kvgate.features import Features
+from kvgate.planner import Plan
+from kvgate.sidecar import Sidecar
+
+from tests.cores import MODEL, core, idle
+
+POOLS = {
+    "rules": [{"pool": "short", "max_prompt_tokens": 2000}, {"pool": "long"}],
+    "spill": {"long": ["short"]},
+}
+
+
+def feats(n_bytes: int, key: str | None = None) -> Features:
+    return Features(MODEL, key, "header" if key else "none", (f"x{n_bytes}",), n_bytes)
+
+
+def plan(sc: Sidecar, f: Features, policy: PolicyName = PolicyName.KVGATE, dry_run: bool = False) -> Plan:
+    return asyncio.run(sc.service.planner.plan(f, policy, 1, dry_run))
+
+
+def test_a_plan_writes_nothing() -> None:
+    sc = core()
+    p = plan(sc, feats(4_000, key="s1"))
+    assert p.decision.candidates[0] in ("b0", "b1") and p.pool is None and p.decode == ()
+    assert len(sc.registry.ledger) == 0  # nothing counted in flight
+    assert sc.sessions.cached("s1") is None  # nothing bound
+    assert sc.index.sizes()["prefix_index_blocks"] == 0  # nothing recorded
+
+
+def test_a_long_prompt_plans_in_its_pool_and_spills_when_the_pool_is_full() -> None:
+    sc = core(["short", "short", "long"], pools=POOLS)
+    long = plan(sc, feats(40_000))  # 10,000 estimated tokens
+    assert (long.pool, long.decision.candidates[0]) == ("long", "b2")
+    idle(sc, "b2", waiting=50)  # the long pool has no room: spill to short
+    spilled = plan(sc, feats(40_000))
+    assert spilled.pool == "short" and spilled.decision.candidates[0] in ("b0", "b1")
+
+
+def test_a_request_waits_only_when_no_backend_it_may_use_has_room() -> None:
+    sc = core()
+    idle(sc, "b0", waiting=50)
+    p = plan(sc, feats(4_000), PolicyName.CONSISTENT_HASH)
+    assert not sc.service.planner.must_wait(p)  # b1 has room, whichever the ring picked
+    idle(sc, "b1", waiting=50)
+    full = plan(sc, feats(4_000), PolicyName.CONSISTENT_HASH)
+    assert sc.service.planner.must_wait(full)
+
+
+def test_disaggregated_the_candidates_are_decoders_and_the_prefill_leg_rides_along() -> None:
+    sc = core(["prefill", "decode", "decode"], disaggregation={"models": ["*"], "label": "pool"})
+    p = plan(sc, feats(8_000))
+    assert p.decision.candidates[0] == "b0" and set(p.decode) == {"b1", "b2"}
+    routed = sc.service.planner.routed("d1", PolicyName.KVGATE, p, 0)
+    assert [c.id for c in routed.prefill] == ["b0"] and {c.id for c in routed.candidates} == {"b1", "b2"}
+    assert routed.label.startswith("pd/") and len(routed.first_byte_ms) == len(routed.candidates)

@@ -1,0 +1,119 @@
+"""The decision service with a real Redis: replicas racing for one session agree, a burst of new
+sessions spreads while its claims wait, a bound session stays until its backend saturates, and each
+candidate's first-byte budget is learned from its answers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvgate.app import redis_client
+from kvgate.load import Scraped
+from kvgate.messages import Outcome
+from kvgate.policies import SessionAction
+
+from tests.cores import config, features, ready, run
+from tests.helpers import PATIENT_REDIS
+
+
+def test_two_services_racing_for_a_new_session_agree_on_one_backend(redis_url: str) -> None:
+    """The claim race: both replicas decide a new key at once; the first SET NX wins, the other
+    re-decides from the winner, and both answer the same backend."""
+
+    async def scenario() -> None:
+        cfg = config(redis_url, redis_extra=PATIENT_REDIS)
+        ca, cb = redis_client(cfg), redis_client(cfg)
+        assert ca is not None and cb is not None
+        a, b = ready(cfg, ca), ready(cfg, cb)
+        for i in range(40):
+            f = features(i, session=f"race-{i}")
+            # Skew the loads so the two would pick differently if they did not agree through Redis.
+            a.registry.ledger.counts.update({"b0": 0, "b1": 9, "b2": 9})
+            b.registry.ledger.counts.update({"b0": 9, "b1": 9, "b2": 0})
+            ra, rb = await asyncio.gather(a.service.route(f), b.service.route(f))
+            assert ra.candidates[0] == rb.candidates[0], i
+            actions = {ra.decision.session, rb.decision.session}
+            assert SessionAction.BIND in actions, actions  # exactly one claimed it first
+        await ca.aclose()
+        await cb.aclose()
+
+    run(scenario())
+
+
+def test_a_burst_of_new_sessions_spreads_while_their_claims_wait_for_redis(redis_url: str) -> None:
+    """Ten new conversations decided at once: each waits for its Redis claim, and the decisions made
+    meanwhile must count it in flight. Before they did not, and all ten went to the backend that
+    looked least loaded when the burst began."""
+
+    async def scenario() -> None:
+        cfg = config(redis_url, backends=2)
+        client = redis_client(cfg)
+        sc = ready(cfg, client)
+        # b0 has a long prefill queued; b1 is idle. Each new prompt is ~8,000 tokens.
+        sc.registry.ledger.start("earlier", "b0", 24_000, time.monotonic())
+        burst = [features(500 + i, session=f"burst-{i}") for i in range(10)]
+        routed = await asyncio.gather(*(sc.service.route(f, f"d{i}") for i, f in enumerate(burst)))
+        picks = [r.candidates[0].id for r in routed]
+        assert picks.count("b1") < 10, picks  # not all on the one that was idle at the start
+        assert picks.count("b0") >= 2, picks
+        # What is counted is where they went.
+        assert sc.registry.ledger.counts == {"b0": picks.count("b0") + 1, "b1": picks.count("b1")}
+        for i, r in enumerate(routed):
+            sc.service.report([Outcome.end(f"d{i}", r.candidates[0].id, 200, True, 0.1, 0.2)])
+        sc.service.report([Outcome.end("earlier", "b0", 200, True, 0.1, 0.2)])
+        assert sc.registry.ledger.counts == {"b0": 0, "b1": 0}
+        assert sc.registry.ledger.tokens == {"b0": 0, "b1": 0}
+        assert client is not None
+        await client.aclose()
+
+    run(scenario())
+
+
+def test_a_bound_session_is_kept_and_moves_only_when_its_backend_saturates(redis_url: str) -> None:
+    async def scenario() -> None:
+        cfg = config(redis_url)
+        client = redis_client(cfg)
+        sc = ready(cfg, client)
+        first = await sc.service.route(features(1, session="s"))
+        home = first.candidates[0].id
+        again = await sc.service.route(features(1, 2, session="s"))
+        assert again.candidates[0].id == home and again.decision.session is SessionAction.KEEP
+        sc.registry.scrape_ok(home, Scraped(4, 20, 0.5, None, None, asyncio.get_running_loop().time()))
+        sc.registry.changed()
+        moved = await sc.service.route(features(1, 3, session="s"))
+        assert moved.candidates[0].id != home and moved.decision.session is SessionAction.REBIND
+        assert client is not None
+        stored = await client.get(f"{cfg.redis.prefix}:s:h:s")
+        assert stored.decode() == moved.candidates[0].id
+        await client.aclose()
+
+    run(scenario())
+
+
+def test_each_candidate_gets_a_first_byte_budget_learned_from_its_answers() -> None:
+    """A backend that has answered quickly gets the floor; one that never answered, or is saturated,
+    the ceiling; a first byte from a fallback (the primary failed) teaches nothing about either."""
+
+    async def scenario() -> None:
+        sc = ready(config(None, backends=2, policy="round_robin"), None)
+        ceiling, floor = 60_000, 5_000
+        first = await sc.service.route(features(0), "d0")
+        assert first.first_byte_ms == (ceiling, ceiling)  # nothing learned yet
+        sc.service.report([Outcome.first("d0", "other-backend")])  # answered by a fallback
+        assert sc.service.first_byte.describe(first.candidates[0].id) is None
+        for i in range(1, 20):
+            r = await sc.service.route(features(i), f"d{i}")
+            sc.service.report([Outcome.first(f"d{i}", r.candidates[0].id)])
+            sc.service.report([Outcome.end(f"d{i}", r.candidates[0].id, 200, True, 0.01, 0.02)])
+        sc.service.report([Outcome.end("d0", first.candidates[0].id, 200, True, 0.01, 0.02)])
+        learned = await sc.service.route(features(50), "d50")
+        assert learned.first_byte_ms == (floor, floor)
+        busy = learned.candidates[0].id
+        sc.registry.scrape_ok(busy, Scraped(4, 20, 0.5, None, None, asyncio.get_running_loop().time()))
+        sc.registry.changed()
+        again = await sc.service.route(features(51), "d51")
+        budgets = dict(zip((c.id for c in again.candidates), again.first_byte_ms, strict=True))
+        assert budgets[busy] == ceiling and min(budgets.values()) == floor
+        sc.service.report([Outcome.end(d, "", 499, False) for d in ("d50", "d51")])
+
+    run(scenario())
