@@ -184,7 +184,7 @@ def test_a_decision_does_not_wait_for_a_slow_redis_and_its_claim_still_lands(red
         assert waited < 0.1, waited
         assert sc.metrics.registry.get_sample_value("kvgate_redis_late_total") == 1
         pick = routed.candidates[0].id
-        await asyncio.sleep(0.4)  # the claim's reply arrives
+        await _until(lambda: sc.sessions.cached("h:slow-redis") is not None)  # the claim's late reply
         probe = aioredis.Redis.from_url(redis_url)
         assert await probe.get(f"{cfg.redis.prefix}:s:h:slow-redis") == pick.encode()
         cached = sc.sessions.cached("h:slow-redis")
