@@ -8,8 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvgate import version
-from kvgate.config import PolicyName
+from kvgate.public import PolicyName, version
 
 from kvgate_bench import live, report
 from kvgate_bench.report import Progress, Summary

@@ -34,10 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from kvgate.features import extract
-from kvgate.looplag import read_schedstat
-from kvgate.messages import Decide, DecisionReply
-from kvgate.protocol import encode_message
+from kvgate.public import Decide, DecisionReply, extract, protocol, read_schedstat
 from kvgate.tools.decision_client import DecisionClient
 from kvgate.tools.launcher import Supervisor, free_port, free_ports, launch_replica
 
@@ -118,7 +115,7 @@ def burst(socket_path: Path, label: str, bursts: Iterable[Burst], sidecar_pid: i
         clients += [DecisionClient(socket_path) for _ in range(n - len(clients))]
         used = clients[:n]
         msgs = [
-            encode_message(Decide(c.next_id(), extract(body, headers)))
+            protocol.encode_message(Decide(c.next_id(), extract(body, headers)))
             for c, (body, headers) in zip(used, bodies, strict=True)
         ]
         before = read_schedstat(f"/proc/{sidecar_pid}/schedstat")
@@ -227,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 text = (f"conversation {i} " + "lorem ipsum dolor sit amet " * (words // 5 + 1))[:size]
                 body = {"model": "bench-model", "messages": [{"role": "user", "content": text}]}
                 key = f"preloaded-{i}" if args.sessions and i % 2 == 0 else f"new-{size}-{i}"
-                msg = encode_message(Decide(client.next_id(), extract(body, {"X-Session-ID": key})))
+                msg = protocol.encode_message(Decide(client.next_id(), extract(body, {"X-Session-ID": key})))
                 t0 = time.perf_counter()
                 raw = client.send_raw(msg)
                 samples.append(time.perf_counter() - t0)

@@ -34,8 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from kvgate.config import Config, hash_key
-from kvgate.nginx_conf import NginxSettings
+from kvgate.public import Config, NginxSettings, hash_key
 from kvgate.tools.launcher import (
     Replica,
     Supervisor,

@@ -37,8 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgate.config import Config
-from kvgate.nginx_conf import DEBIAN_MODULES, NginxSettings, find_nginx
+from kvgate.public import DEBIAN_MODULES, Config, NginxSettings, find_nginx
 from kvgate.tools.launcher import Supervisor, free_port, launch_replica, process_tree, wait_listening
 
 from kvgate_bench import phases, report

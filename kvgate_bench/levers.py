@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgate.config import PolicyName
-from kvgate.features import Features
+from kvgate.public import Features, PolicyName
 
 from kvgate_bench import report, virtual
 from kvgate_bench.report import Progress, Summary

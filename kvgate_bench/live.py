@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from kvgate.config import Config
-from kvgate.nginx_conf import NginxSettings
+from kvgate.public import Config, NginxSettings
 from kvgate.tools.launcher import (
     Supervisor,
     free_port,

@@ -24,9 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
-from kvgate.config import Config
-from kvgate.looplag import SchedStat, read_schedstat
-from kvgate.nginx_conf import NginxSettings
+from kvgate.public import Config, NginxSettings, SchedStat, read_schedstat
 from kvgate.tools.launcher import Supervisor, free_port, free_ports, launch_replica
 from prometheus_client.parser import text_string_to_metric_families
 

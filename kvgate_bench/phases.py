@@ -26,13 +26,20 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvgate import protocol
-from kvgate.config import Config
-from kvgate.features import extract
-from kvgate.load import Scraped
-from kvgate.messages import Decide, DecisionReply, Outcome, Report
-from kvgate.nginx_conf import DEBIAN_MODULES, LUA_DIR, find_nginx
-from kvgate.sidecar import build_sidecar
+from kvgate.public import (
+    DEBIAN_MODULES,
+    LUA_DIR,
+    Config,
+    Decide,
+    DecisionReply,
+    Outcome,
+    Report,
+    Scraped,
+    build_sidecar,
+    extract,
+    find_nginx,
+    protocol,
+)
 from kvgate.tools.launcher import Supervisor, free_port, wait_listening
 
 MODEL = "bench-model"

@@ -1,7 +1,9 @@
 """``kvgate-bench real-vs-sim``: is the simulator a stand-in for a real vLLM?
 
-1. Calibrate: measure one real server (``vllm_real.calibrate``: prefill per word and per chunk,
-   decode against batch size and context, the cache's blocks) and write a ``vllm-sim`` profile.
+1. Calibrate: measure one real server beside N-1 busy ones (``vllm_real.calibrate --neighbours``:
+   prefill per word and per chunk, decode against batch size and context, the cache's blocks) and
+   write a ``vllm-sim`` profile. Beside busy neighbours, because on a machine where the fleet shares
+   the CPU that is how fast a server of the loaded fleet is.
 2. Run one workload through each target (default: round robin and kvgate) on N real vLLM servers,
    their prefix caches reset before each run.
 3. Run it again through the same targets on N simulators with that profile, in real time.
@@ -47,7 +49,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile = args.profile
     if profile is None:
         profile = out / "profile.json"
-        calibrate.main(["--out", str(profile), "--run-dir", str(out / "run" / "calibrate")])
+        calibrate.main(
+            [
+                *("--out", str(profile), "--run-dir", str(out / "run" / "calibrate")),
+                *("--neighbours", str(args.servers - 1)),
+            ]
+        )
     args.profile = str(profile)
     measured = json.loads(Path(profile).read_text())
     reqs = build_workload(args)

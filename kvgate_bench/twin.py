@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvgate.config import PolicyName
+from kvgate.public import PolicyName
 
 from kvgate_bench import report, virtual
 from kvgate_bench.live import run_target

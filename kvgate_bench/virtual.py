@@ -18,15 +18,21 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvgate.config import Config, PolicyName
-from kvgate.features import Features, extract
-from kvgate.load import Scraped
-from kvgate.messages import Outcome
-from kvgate.policies import SessionAction
-from kvgate.queue import QueueFull, QueueTimeout
-from kvgate.registry import Registry
-from kvgate.service import Queued, Routed
-from kvgate.sidecar import build_sidecar
+from kvgate.public import (
+    Config,
+    Features,
+    Outcome,
+    PolicyName,
+    Queued,
+    QueueFull,
+    QueueTimeout,
+    Registry,
+    Routed,
+    Scraped,
+    SessionAction,
+    build_sidecar,
+    extract,
+)
 
 from kvgate_bench.report import Sample, Summary, summarize
 from kvgate_bench.workloads import TRACE_BLOCK_TOKENS, BenchRequest

@@ -86,6 +86,22 @@ def test_the_runtime_imports_no_tool_no_benchmark_and_no_simulator() -> None:
             assert not bad, f"{name} imports {sorted(bad)}"
 
 
+def test_the_benchmark_uses_the_runtime_through_its_public_module() -> None:
+    """The benchmark, the simulator and the real-vLLM tooling import the runtime only through
+    ``kvgate.public`` (the tools in ``kvgate.tools`` are not runtime and may be imported)."""
+    allowed = {"kvgate", "kvgate.public"}
+    reached = {
+        name: sorted(
+            m
+            for m in imports(path, name)
+            if runtime(m) and m not in allowed and not m.startswith("kvgate.public.")
+        )
+        for name, path in modules().items()
+        if name.startswith(("kvgate_bench", "vllm_sim", "vllm_real"))
+    }
+    assert not {k: v for k, v in reached.items() if v}
+
+
 def test_the_import_graph_has_no_cycle() -> None:
     g = graph()
     state: dict[str, int] = {}
