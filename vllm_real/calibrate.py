@@ -7,15 +7,24 @@ profile is written in words: a KV block holds ``block_size / k`` words, a prefil
 ``max_num_batched_tokens / k`` words. Then the same workload sent to a simulated fleet with this
 profile and to the real fleet should take the same time (``kvgate-bench real-vs-sim``).
 
-What is measured (idle server, one thing at a time, medians of repeats):
+What is measured (one thing at a time, medians of repeats):
 
 * prefill: time to the first token of prompts of 256 to 12,000 words, each new to the cache, fitted to
   the simulator's step model summed over the chunks vLLM prefills a long prompt in (its budget):
   ``frontend + sum over chunks (t0 + alpha x chunk + delta x chunk x context / 1000)``: on a tiny
   model on a CPU the attention's quadratic part (delta) is most of a long prefill;
-* decode: the time between tokens of ``b`` streams decoding together (b = 1, 4, 16), fitted to
-  ``t0 + beta x b``; and with a 14,000-token context, which gives ``gamma`` (per 1,000 context words);
+* decode: the time between tokens of ``b`` streams decoding together (b = 1, 4, 16), from the
+  engine's own decode-time histogram, fitted to ``t0 + beta x b``; and with a 14,000-token context,
+  which gives ``gamma`` (per 1,000 context words);
 * the cache: ``block_size`` and ``num_gpu_blocks`` from ``vllm:cache_config_info``.
+
+With ``--neighbours N`` the server is measured beside N others of the fleet, each kept busy by a
+steady load (``--neighbour-streams`` streams of new prompts, one after another). On a machine where
+the fleet shares the CPU, a server is as fast as its neighbours let it be: a profile from an idle
+machine made the simulated fleet 5x faster than the real one. Beside a neighbour the measurements
+vary with what the neighbour does at that instant (decode 1-6x, a prefill 2-16x slower than alone on
+two cores), so such a profile narrows the gap without closing it (docs/real-vllm.md). GPU servers do
+not share their device, and the simulator does not model the sharing.
 
 ``python -m vllm_real.calibrate --out PROFILE.json`` starts a server of the fleet (or measures
 ``--url``); ``vllm-sim --profile PROFILE.json`` runs it.
@@ -24,6 +33,7 @@ What is measured (idle server, one thing at a time, medians of repeats):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -48,19 +58,21 @@ def _post(url: str, body: dict[str, Any], timeout: float = 300.0) -> Any:
         return json.loads(resp.read())
 
 
-def _stream(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
-    """(seconds to the first token, the times of every token) of one streamed completion."""
+def _stream(url: str, model: str, prompt: str, max_tokens: int) -> float:
+    """Seconds to the first token of one streamed completion (read to its end)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     req = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     t0 = time.perf_counter()
-    times: list[float] = []
+    first = None
     with urllib.request.urlopen(req, timeout=300) as resp:
         for line in resp:
-            if line.startswith(b"data: {") and b'"text"' in line:
-                times.append(time.perf_counter() - t0)
-    return times[0], times
+            if first is None and line.startswith(b"data: {") and b'"text"' in line:
+                first = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError(f"no token from {url}")
+    return first
 
 
 def text(key: str, words: int) -> str:
@@ -95,31 +107,45 @@ def measure(url: str, model: str) -> Measured:
     for words in PREFILL_WORDS:
         if words * k > 16_000:
             continue
-        ttfts = [_stream(url, model, text(f"calibrate-p{words}-{r}", words), 1)[0] for r in range(REPEATS)]
+        ttfts = [_stream(url, model, text(f"calibrate-p{words}-{r}", words), 1) for r in range(REPEATS)]
         prefill[words] = statistics.median(ttfts)
     decode = {b: _decode(url, model, b, 64) for b in DECODE_BATCHES}
     long_words = int(LONG_CONTEXT_TOKENS / max(k, 1.0))
     return Measured(k, block, blocks, prefill, decode, long_words, _decode(url, model, 1, long_words))
 
 
-def _decode(url: str, model: str, batch: int, prompt_words: int) -> float:
-    """Median time between tokens of ``batch`` streams decoding 48 tokens together."""
-    gaps: list[float] = []
-    lock = threading.Lock()
+def _decode_seconds(url: str) -> tuple[float, float]:
+    """The server's own decode time so far (``vllm:request_decode_time_seconds``: from each request's
+    first token to its last, stamped by the engine) and how many requests it covers."""
+    metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    total = {"sum": 0.0, "count": 0.0}
+    for line in metrics.splitlines():
+        for part in total:
+            if line.startswith(f"vllm:request_decode_time_seconds_{part}{{"):
+                total[part] += float(line.rsplit(" ", 1)[1])
+    return total["sum"], total["count"]
 
-    def one(i: int) -> None:
-        _, times = _stream(url, model, text(f"calibrate-d{batch}-{prompt_words}-{i}", prompt_words), 48)
-        # Skip the first few: the streams' prefills end at different steps.
-        steady = times[8:]
-        with lock:
-            gaps.extend(b - a for a, b in itertools.pairwise(steady))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
+def _decode(url: str, model: str, batch: int, prompt_words: int, tokens: int = 48) -> float:
+    """Mean time between tokens of ``batch`` streams decoding ``tokens`` tokens together, from the
+    engine's own timestamps: a client's view is not the engine's when the server is short of CPU (its
+    API server then sends several tokens in one event, and events arrive in bursts)."""
+    before, n0 = _decode_seconds(url)
+    threads = [
+        threading.Thread(
+            target=_stream,
+            args=(url, model, text(f"calibrate-d{batch}-{prompt_words}-{i}", prompt_words), tokens),
+        )
+        for i in range(batch)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return statistics.median(gaps)
+    after, n1 = _decode_seconds(url)
+    if n1 - n0 != batch:
+        raise RuntimeError(f"expected {batch} requests in the decode histogram, got {n1 - n0}")
+    return (after - before) / (batch * (tokens - 1))
 
 
 def _least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
@@ -191,12 +217,49 @@ def profile(
     }
 
 
+NEIGHBOUR_PROMPT_WORDS = 1000
+NEIGHBOUR_OUTPUT_TOKENS = 200
+
+
+class NeighbourLoad:
+    """Keeps servers busy: ``streams`` streams each, every one a new prompt, until stopped."""
+
+    def __init__(self, urls: Sequence[str], model: str, streams: int) -> None:
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(url, model, f"neighbour-{n}-{i}"), daemon=True)
+            for n, url in enumerate(urls)
+            for i in range(streams)
+        ]
+        self.served = 0
+
+    def _loop(self, url: str, model: str, key: str) -> None:
+        for r in itertools.count():
+            if self._stop.is_set():
+                return
+            _stream(url, model, text(f"{key}-{r}", NEIGHBOUR_PROMPT_WORDS), NEIGHBOUR_OUTPUT_TOKENS)
+            self.served += 1
+
+    def __enter__(self) -> NeighbourLoad:
+        for t in self._threads:
+            t.start()
+        time.sleep(5.0)  # past the neighbours' first prefills: measure beside a steady load
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m vllm_real.calibrate", description=__doc__.split("\n")[0])
     p.add_argument("--url", help="a running server (default: start one of the fleet's and stop it after)")
     p.add_argument("--out", type=Path, required=True, help="the profile to write (JSON)")
     p.add_argument("--name", default="vllm-cpu-tiny")
     p.add_argument("--run-dir", type=Path, default=Path(".run/calibrate"))
+    p.add_argument("--neighbours", type=int, default=0, help="busy servers beside the measured one")
+    p.add_argument("--neighbour-streams", type=int, default=4, help="streams each neighbour serves")
     args = p.parse_args(argv)
     from kvgate.tools.launcher import Supervisor
 
@@ -205,8 +268,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     spec = ServerSpec()
     sup = Supervisor(args.run_dir)
     try:
-        url = args.url or Fleet(sup).start([spec])[0]
-        m = measure(url, MODEL)
+        urls = Fleet(sup).start([spec] * (args.neighbours + (0 if args.url else 1)))
+        url = args.url or urls.pop(0)
+        with NeighbourLoad(urls, MODEL, args.neighbour_streams) if urls else contextlib.nullcontext():
+            m = measure(url, MODEL)
     finally:
         sup.stop_all()
     out = profile(m, args.name, spec.max_num_batched_tokens, spec.max_num_seqs, MAX_MODEL_LEN)
