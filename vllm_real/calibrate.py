@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import statistics
 import threading
@@ -45,6 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvgate.tools.launcher import Supervisor
+
+from vllm_real.fleet import MAX_MODEL_LEN, MODEL, Fleet, ServerSpec, metric
 from vllm_real.vocabulary import filler_words
 
 PREFILL_WORDS = (256, 512, 1024, 2048, 4096, 8192, 12_000)
@@ -117,13 +119,8 @@ def measure(url: str, model: str) -> Measured:
 def _decode_seconds(url: str) -> tuple[float, float]:
     """The server's own decode time so far (``vllm:request_decode_time_seconds``: from each request's
     first token to its last, stamped by the engine) and how many requests it covers."""
-    metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-    total = {"sum": 0.0, "count": 0.0}
-    for line in metrics.splitlines():
-        for part in total:
-            if line.startswith(f"vllm:request_decode_time_seconds_{part}{{"):
-                total[part] += float(line.rsplit(" ", 1)[1])
-    return total["sum"], total["count"]
+    name = "vllm:request_decode_time_seconds"
+    return metric(url, name + "_sum"), metric(url, name + "_count")
 
 
 def _decode(url: str, model: str, batch: int, prompt_words: int, tokens: int = 48) -> float:
@@ -231,14 +228,12 @@ class NeighbourLoad:
             for n, url in enumerate(urls)
             for i in range(streams)
         ]
-        self.served = 0
 
     def _loop(self, url: str, model: str, key: str) -> None:
-        for r in itertools.count():
-            if self._stop.is_set():
-                return
+        r = 0
+        while not self._stop.is_set():
             _stream(url, model, text(f"{key}-{r}", NEIGHBOUR_PROMPT_WORDS), NEIGHBOUR_OUTPUT_TOKENS)
-            self.served += 1
+            r += 1
 
     def __enter__(self) -> NeighbourLoad:
         for t in self._threads:
@@ -261,10 +256,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--neighbours", type=int, default=0, help="busy servers beside the measured one")
     p.add_argument("--neighbour-streams", type=int, default=4, help="streams each neighbour serves")
     args = p.parse_args(argv)
-    from kvgate.tools.launcher import Supervisor
-
-    from vllm_real.fleet import MAX_MODEL_LEN, MODEL, Fleet, ServerSpec
-
     spec = ServerSpec()
     sup = Supervisor(args.run_dir)
     try:

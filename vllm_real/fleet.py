@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,6 +133,18 @@ def server_env(nixl_port: int | None = None) -> dict[str, str]:
     if nixl_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(nixl_port)
     return env
+
+
+def metric(url: str, name: str, labels: Mapping[str, str] | None = None) -> float:
+    """One series of a server's /metrics, summed over its label sets (those matching ``labels``)."""
+    total = 0.0
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{") and (
+            not labels or all(f'{k}="{v}"' in line for k, v in labels.items())
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def healthy(url: str) -> bool:

@@ -82,7 +82,7 @@ end
 -- it last), which the body filter strips again when the client did not ask for it. Returns whether
 -- it asked.
 local function usage_fields(body, decision, kind, generates, added)
-    if decision and decision.max_tokens then
+    if decision.max_tokens then
         added[#added + 1] = { kind == "responses" and "max_output_tokens" or "max_tokens",
                               str_format("%d", decision.max_tokens) }
     end

@@ -80,7 +80,7 @@ class ClaimMode(Enum):
     SHARED = "shared"  # other replicas bind too (or the count is unknown): decisions wait for claims
     READING = "reading"  # alone; reading the bindings Redis holds into the local map (``preload``)
     ALONE = "alone"  # alone with Redis's bindings read: decisions answer first, claims behind
-    REWAIT = "rewait"  # alone, but a claim found a binding this replica did not know: wait a while
+    REWAIT = "rewait"  # alone, but a claim found a binding this replica did not know: wait REWAIT_S
 
 
 class Cached(NamedTuple):
@@ -122,9 +122,8 @@ class SessionStore:
     def answers_first(self) -> bool:
         """May a decision go before its claim's answer (``claim_behind``)? Only when no other
         replica binds: alone, with what Redis held read in, and Redis up (else claims are local)."""
-        if self.mode is ClaimMode.REWAIT and time.monotonic() >= self._rewait_until:
-            self.mode = ClaimMode.ALONE
-        return self.mode is ClaimMode.ALONE and self.redis_ok
+        waited = self.mode is ClaimMode.REWAIT and time.monotonic() >= self._rewait_until
+        return (self.mode is ClaimMode.ALONE or waited) and self.redis_ok
 
     def set_replicas(self, n: int) -> asyncio.Task[None] | None:
         """The gateway replicas counted on this Redis (``kvgate.replicas``). Found alone, this one

@@ -27,6 +27,7 @@ from kvgate.nginx_conf import NginxSettings
 from kvgate.tools.launcher import Replica, Supervisor, free_port, launch_replica
 
 from vllm_real.fleet import BLOCK_SIZE, MODEL, Fleet, ServerSpec, service_port
+from vllm_real.fleet import metric as fleet_metric
 from vllm_real.vocabulary import filler_words
 
 BLOCKS = 160  # 20,480 tokens of KV cache per server: more than one 16k prompt, less than a few
@@ -42,14 +43,7 @@ class RealFleet:
 
     def metric(self, i: int, name: str, labels: Mapping[str, str] | None = None) -> float:
         """The sum of one series of server ``i``'s /metrics over its label sets (matching ``labels``)."""
-        total = 0.0
-        for line in get_text(self.urls[i] + "/metrics").splitlines():
-            if not line.startswith(name + "{"):
-                continue
-            if labels and not all(f'{k}="{v}"' in line for k, v in labels.items()):
-                continue
-            total += float(line.rsplit(" ", 1)[1])
-        return total
+        return fleet_metric(self.urls[i], name, labels)
 
     def hits(self) -> float:
         return sum(self.metric(i, "vllm:prefix_cache_hits_total") for i in range(len(self.urls)))
