@@ -175,7 +175,11 @@ def test_long_session_values_are_stored_as_a_fixed_size_hash(shared: Stack) -> N
 
 
 def test_clients_that_leave_before_the_first_byte_never_eject_a_healthy_backend(shared: Stack) -> None:
-    """An abort storm: 60 clients reset their connection during prefill; every backend stays in."""
+    """An abort storm: 60 clients reset their connection during prefill; no abort counts against a
+    backend (passive health), so none is ejected. Active health checks are another matter: on a
+    starved machine one may time out and take a backend out for a round, which is not what this
+    test is about, so it waits for them to settle instead of asserting on one instant."""
+    before = {bid: (b["errors"], b["outlier"]["ejections"]) for bid, b in shared.backends().items()}
     body = chat(77, 1)
     body["messages"][-1]["content"] = " ".join(f"w{i}" for i in range(6000))
     body.update(stream=True, max_tokens=4)
@@ -196,8 +200,10 @@ def test_clients_that_leave_before_the_first_byte_never_eject_a_healthy_backend(
     for t in threads:
         t.join(30)
     wait_until(lambda: sum(b["inflight"] for b in shared.backends().values()) == 0, timeout=10)
-    states = {b["id"]: (b["state"], b["outlier"]["consecutive_failures"]) for b in shared.backends().values()}
-    assert all(state == "healthy" and fails == 0 for state, fails in states.values()), states
+    after = {bid: (b["errors"], b["outlier"]["ejections"]) for bid, b in shared.backends().items()}
+    assert after == before, (before, after)
+    assert all(b["outlier"]["consecutive_failures"] == 0 for b in shared.backends().values())
+    wait_until(lambda: all(b["state"] == "healthy" for b in shared.backends().values()), timeout=5)
     assert http_json("POST", shared.gw.url + "/v1/chat/completions", chat(78, 1))[0] == 200
 
 
