@@ -13,7 +13,7 @@ injects a fault, holds it, heals it, and keeps the load on a little longer. Ever
 
 Reported per scenario: requests, ok, failed by design, failed, the time to recover (from the fault's
 start, or from the heal for faults that need one, to the first second of only ok requests), and
-whether every in-flight count was back to zero within 2 s of idle. The test suite runs short
+whether every in-flight count was back to zero within 5 s of idle. The test suite runs short
 versions (``tests/test_faults.py``); ``kvgate-bench faults`` runs them at length, the fuzz corpus, and a
 soak that checks memory.
 """
@@ -52,6 +52,9 @@ OK, BY_DESIGN, FAILED = "ok", "failed by design", "failed"
 # The stack checks API keys: the load's key, a key under a token limit, and one that floods the queue.
 LOAD_KEY, LIMITED_KEY, FLOOD_KEY = "sk-fault-load-000001", "sk-fault-limited-0002", "sk-fault-flood-00003"
 LIMITED_TOKENS = 1500  # the limited key's tokens a minute
+# How long in-flight counts may take to reach 0 once the load stops: reports reach the sidecar
+# within a flush or two, but on a loaded machine (CI) a restarted sidecar's first ones come later.
+IDLE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -543,7 +546,7 @@ class Score:
     failed_by_design: int
     failed: int
     recover_s: float | None
-    idle_zero_s: float | None  # seconds until every in-flight count was 0, once idle (None: not in 2 s)
+    idle_zero_s: float | None  # seconds until every in-flight count was 0, once idle (None: not in 5 s)
     failures: list[str] = field(default_factory=list)
 
 
@@ -583,7 +586,7 @@ def run_scenario(
         time.sleep(after)
     s = score(sc.name, load.results, fault_at, fault_at if sc.self_healing else heal_at, sc.total_outage)
     idle = time.monotonic()
-    while time.monotonic() - idle < 2.0:
+    while time.monotonic() - idle < IDLE_WAIT_S:
         try:
             if stack.inflight() == 0:
                 s.idle_zero_s = round(time.monotonic() - idle, 2)
