@@ -32,10 +32,12 @@ from kvgate.public import (
     Config,
     Decide,
     DecisionReply,
+    NginxSettings,
     Outcome,
     Report,
     Scraped,
     build_sidecar,
+    configure_lua,
     extract,
     find_nginx,
     protocol,
@@ -59,7 +61,7 @@ events {{ worker_connections 64; }}
 http {{
   access_log off; client_body_temp_path {run}/nginx-tmp/body;
   lua_package_path "{run}/?.lua;{LUA_DIR}/?.lua;;";
-  init_by_lua_block {{ require("kvgate.conf").configure({{ socket = "unix:{socket}" }}) }}
+  init_by_lua_block {{ {configure_lua(NginxSettings(socket=socket))} }}
   server {{
     listen 127.0.0.1:{port};
     location = /phases {{ content_by_lua_block {{ require("phases").run() }} }}

@@ -13,6 +13,8 @@ from kvgate.tools.launcher import Replica, Supervisor, free_port, free_ports, la
 
 from tests.conftest import MODEL, http_json
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
+
 
 def sidecar_config(
     socket_path: Path,

@@ -36,7 +36,9 @@ local MESSAGES = {
     [404] = function() return "Unknown route." end,
     [405] = function() return "This method is not allowed on this route." end,
     [411] = function() return "The request body needs a Content-Length or chunked encoding." end,
-    [413] = function() return "The request body is larger than client_max_body_size (" .. conf.max_body .. ")." end,
+    [413] = function()
+        return "The request body is larger than client_max_body_size (" .. conf.client_max_body_size .. ")."
+    end,
     [414] = function() return "The request URI is too long." end,
     [431] = function() return "The request headers are too large." end,
     [494] = function() return "The request headers are too large." end,

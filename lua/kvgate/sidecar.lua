@@ -91,7 +91,8 @@ local function call(msg, want_reply, timeout_ms, wait_ms)
 end
 
 function _M.decide(id, features)
-    return call(protocol.decide(id, features), true, conf.timeout_ms, 2 * conf.queue_heartbeat_ms + conf.timeout_ms)
+    local budget = conf.decision_timeout_ms
+    return call(protocol.decide(id, features), true, budget, 2 * conf.queue_heartbeat_ms + budget)
 end
 
 function _M.peers()
@@ -99,7 +100,7 @@ function _M.peers()
 end
 
 function _M.models()
-    return call(protocol.models(), true, conf.timeout_ms)
+    return call(protocol.models(), true, conf.decision_timeout_ms)
 end
 
 function _M.call_keys()

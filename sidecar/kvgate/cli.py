@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvgate import logs, version
-from kvgate.config import Config, ConfigError
+from kvgate.config import Config, ConfigError, reference
 from kvgate.nginx_conf import LUA_DIR, NginxSettings, render
 
 RUN_DIR = Path(".run")
@@ -91,6 +91,11 @@ def cmd_hash_key(args: argparse.Namespace) -> int:
         print('kvgate: give the API key on stdin, e.g. `printf %s "$KEY" | kvgate hash-key`', file=sys.stderr)
         return 2
     print(hash_key(key))
+    return 0
+
+
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    print(reference(Config), end="")
     return 0
 
 
@@ -186,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.set_defaults(func=cmd_render)
     h = sub.add_parser("hash-key", help="print the SHA-256 of an API key read from stdin, for auth.keys")
     h.set_defaults(func=cmd_hash_key)
+    c = sub.add_parser("config-reference", help="print every config key: default, range, meaning (Markdown)")
+    c.set_defaults(func=cmd_config_reference)
     sub.add_parser("bench", help="benchmarks (the kvgate-bench command)", add_help=False)
     args = p.parse_args(argv)
     return int(args.func(args))

@@ -12,13 +12,12 @@ import pwd
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from kvgate.agreement import fingerprint, gateway_settings
-from kvgate.config import Config
-from kvgate.config.gateway import RETRY_STATUSES
+from kvgate.config import DEFAULT_SOCKET, Config
 
 # The Lua code and the templates ship inside the package (``kvgate/assets``: links to the checkout's
 # lua/ and nginx/ in a source tree, copies in a wheel), so an installed kvgate renders on its own.
@@ -31,44 +30,61 @@ DEBIAN_MODULES = (
 )
 
 
+LUA = "lua"  # field metadata: the setting goes to lua/kvgate/conf.lua, under the field's name
+_TAKEN = gateway_settings(Config())  # a default config's: each default is declared in kvgate.config
+
+
+def _taken(name: str, lua: bool = True) -> Any:
+    """A setting Nginx takes from the kvgate config (``kvgate.agreement.gateway_settings``)."""
+    default = _TAKEN[name]
+    return field(default=tuple(default) if isinstance(default, list) else default, metadata={LUA: lua})
+
+
+def _lua(default: Any) -> Any:
+    return field(default=default, metadata={LUA: True})
+
+
 @dataclass(frozen=True, slots=True)
 class NginxSettings:
+    """Everything one rendering of Nginx's files needs. Where it runs (listen, workers, run_dir, ...)
+    is the launcher's; the settings taken from the config have their defaults there; the fields
+    marked ``LUA`` are handed, by name, to lua/kvgate/conf.lua once per Nginx start."""
+
     listen: str = "127.0.0.1:8080"
-    socket: str = ".run/kvgate-sidecar.sock"
+    socket: str = DEFAULT_SOCKET
     run_dir: str = ".run"
     workers: int = 2
-    decision_timeout_ms: int = 50
-    session_header: str = "X-Session-ID"
-    route_headers: bool = False
-    max_tries: int = 3
-    retry_statuses: tuple[int, ...] = RETRY_STATUSES
-    connect_timeout_ms: int = 2000
+    decision_timeout_ms: int = _taken("decision_timeout_ms")
+    session_header: str = _taken("session_header")
+    route_headers: bool = _taken("route_headers")
+    max_tries: int = _taken("max_tries")
+    retry_statuses: tuple[int, ...] = _taken("retry_statuses", lua=False)
+    connect_timeout_ms: int = _lua(2000)  # to a backend, per try
     upstream_keepalive_timeout: str = "4s"  # below the backends' idle close (vLLM: 5 s)
-    first_byte_timeout_ms: int = 60_000  # per try; streams: also every later silence (see conf.lua)
-    first_byte_stream_min_ms: int = 30_000  # a stream's try waits at least this (at most the ceiling)
-    token_timeout_ms: int = 100  # JSON responses: added per requested token to the first-byte wait
-    max_read_timeout_ms: int = 600_000
-    client_max_body_size: str = "16m"
+    first_byte_timeout_ms: int = _taken("first_byte_timeout_ms")
+    first_byte_stream_min_ms: int = _taken("first_byte_stream_min_ms")
+    token_timeout_ms: int = _taken("token_timeout_ms")
+    max_read_timeout_ms: int = _taken("max_read_timeout_ms")
+    client_max_body_size: str = _taken("client_max_body_size")
     client_body_buffer_size: str = "4m"
     access_log: bool = False
     error_log: str = ""  # where Nginx logs errors ("": nginx-error.log in run_dir; containers: /dev/stderr)
     lua_dir: str = str(LUA_DIR)  # where the gateway will find lua/kvgate/*.lua
-    worker_user: str | None = None  # when Nginx starts as root: its workers' user (None: nobody)
-    auth: bool = False  # check API keys (the config has some)
-    open_routes: tuple[str, ...] = ()  # with keys on, routes Nginx answers without one (models, metrics)
+    worker_user: str | None = _taken("worker_user", lua=False)
+    auth: bool = _taken("auth")  # check API keys (the config has some)
+    open_routes: tuple[str, ...] = _taken("open_routes")
     catch_all: bool = True  # a `location /v1/` for the other /v1/ routes
-    limits: bool = False  # rate limits apply
-    queue: bool = False  # the gateway queue is on: a waiting request's client may go away
-    queue_heartbeat_ms: int = 500
+    limits: bool = _taken("limits")  # rate limits apply
+    queue: bool = _taken("queue", lua=False)  # the gateway queue is on (the sidecar's business)
+    queue_heartbeat_ms: int = _taken("queue_heartbeat_ms")
     # Drop-in into an edge that has its own Lua setup: kvgate-http.conf leaves out lua_package_path,
     # init_by_lua and init_worker_by_lua (one of each per http{}); the edge's own call kvgate's
     # (kvgate-init.lua, and require("kvgate.gateway").init_worker()).
     edge_lua: bool = False
-    edge_access: str = ""  # the edge's Lua module whose access() runs first on kvgate's routes
-
+    edge_access: str = _taken("edge_access")  # the edge's Lua module whose access() runs first
     # Of the settings above taken from the config (kvgate.agreement): Nginx sends it to the sidecar,
     # which says whether it runs the same config.
-    fingerprint: str = ""
+    fingerprint: str = _lua("")
 
     @classmethod
     def from_config(cls, config: Config, **overrides: Any) -> NginxSettings:
@@ -84,27 +100,27 @@ class NginxSettings:
         return cls(**values)
 
 
-# Nginx's side settings, handed to lua/kvgate/conf.lua once per Nginx start.
-CONFIGURE = """require("kvgate.gateway").configure({{
-    socket = "unix:{socket}",
-    timeout_ms = {decision_timeout_ms},
-    session_header = "{session_header}",
-    route_headers = {route_headers},
-    max_tries = {max_tries},
-    max_body = "{client_max_body_size}",
-    connect_timeout_ms = {connect_timeout_ms},
-    first_byte_timeout_ms = {first_byte_timeout_ms},
-    first_byte_stream_min_ms = {first_byte_stream_min_ms},
-    token_timeout_ms = {token_timeout_ms},
-    max_read_timeout_ms = {max_read_timeout_ms},
-    auth = {auth},
-    open_routes = {open_routes},
-    limits = {limits},
-    queue = {queue},
-    queue_heartbeat_ms = {queue_heartbeat_ms},
-    edge_access = "{edge_access}",
-    fingerprint = "{fingerprint}",
-}})"""
+def lua_literal(value: Any) -> str:
+    """A setting as Lua source: strings quoted, a list of names as a set (``{ models = true }``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, tuple):
+        return "{ " + "".join(f"{v} = true, " for v in value) + "}"
+    raise TypeError(f"no Lua form for {value!r}")
+
+
+def configure_lua(settings: NginxSettings) -> str:
+    """The call handing Nginx's settings to lua/kvgate/conf.lua, once per start: every field marked
+    ``LUA``, under its own name, and the decision socket."""
+    lines = [f"    socket = {lua_literal('unix:' + str(Path(settings.socket).resolve()))},"]
+    for f in fields(settings):
+        if f.metadata.get(LUA):
+            lines.append(f"    {f.name} = {lua_literal(getattr(settings, f.name))},")
+    return 'require("kvgate.gateway").configure({\n' + "\n".join(lines) + "\n})"
 
 
 def find_nginx() -> str:
@@ -137,6 +153,10 @@ def user_directive(user: str | None = None) -> str:
     return f"user {name} {group};"
 
 
+def _nginx_text(value: Any) -> str:
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
 def render(
     settings: NginxSettings,
     out_dir: Path,
@@ -147,39 +167,22 @@ def render(
     """Write the include files (and nginx.conf when standalone) to ``out_dir``; returns the main file."""
     out_dir.mkdir(parents=True, exist_ok=True)
     run_dir = Path(settings.run_dir).resolve()
-    values = {
-        "lua_dir": settings.lua_dir,
-        "socket": str(Path(settings.socket).resolve()),
-        "decision_timeout_ms": str(settings.decision_timeout_ms),
-        "session_header": settings.session_header,
-        "route_headers": "true" if settings.route_headers else "false",
-        "max_tries": str(settings.max_tries),
-        "retry_statuses": "".join(f" http_{s}" for s in settings.retry_statuses),
-        "connect_timeout_ms": str(settings.connect_timeout_ms),
-        "upstream_keepalive_timeout": settings.upstream_keepalive_timeout,
-        "first_byte_timeout_ms": str(settings.first_byte_timeout_ms),
-        "first_byte_stream_min_ms": str(settings.first_byte_stream_min_ms),
-        "token_timeout_ms": str(settings.token_timeout_ms),
-        "max_read_timeout_ms": str(settings.max_read_timeout_ms),
-        "client_max_body_size": settings.client_max_body_size,
-        "client_body_buffer_size": settings.client_body_buffer_size,
-        "conf_dir": str(out_dir.absolute()),
-        "listen": settings.listen,
-        "workers": str(settings.workers),
-        "run_dir": str(run_dir),
-        "access_log": f"{run_dir}/nginx-access.log kvgate" if settings.access_log else "off",
-        "error_log": settings.error_log or f"{run_dir}/nginx-error.log",
-        "user_directive": user_directive(settings.worker_user),
-        "auth": "true" if settings.auth else "false",
-        "open_routes": "{ " + "".join(f"{r} = true, " for r in settings.open_routes) + "}",
-        "limits": "true" if settings.limits else "false",
-        "queue": "true" if settings.queue else "false",
-        "queue_heartbeat_ms": str(settings.queue_heartbeat_ms),
-        # The client's key is the gateway's business: it does not travel on to the backends.
-        "upstream_authorization": 'proxy_set_header Authorization "";' if settings.auth else "",
-        "load_modules": "",
-    }
-    configure = CONFIGURE.format(**values, edge_access=settings.edge_access, fingerprint=settings.fingerprint)
+    # Each ${name} of the templates: a setting as Nginx writes it, or a line made of settings.
+    values = {f.name: _nginx_text(getattr(settings, f.name)) for f in fields(settings)}
+    values.update(
+        {
+            "retry_statuses": "".join(f" http_{s}" for s in settings.retry_statuses),
+            "conf_dir": str(out_dir.absolute()),
+            "run_dir": str(run_dir),
+            "access_log": f"{run_dir}/nginx-access.log kvgate" if settings.access_log else "off",
+            "error_log": settings.error_log or f"{run_dir}/nginx-error.log",
+            "user_directive": user_directive(settings.worker_user),
+            # The client's key is the gateway's business: it does not travel on to the backends.
+            "upstream_authorization": 'proxy_set_header Authorization "";' if settings.auth else "",
+            "load_modules": "",
+        }
+    )
+    configure = configure_lua(settings)
     lua_path = f'"{settings.lua_dir}/?.lua;;"'
     if settings.edge_lua:
         values["lua_package_path"] = (

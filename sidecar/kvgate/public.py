@@ -15,7 +15,7 @@ from kvgate.features import Features, extract
 from kvgate.load import Scraped
 from kvgate.looplag import SchedStat, read_schedstat
 from kvgate.messages import Decide, DecisionReply, Outcome, Report
-from kvgate.nginx_conf import DEBIAN_MODULES, LUA_DIR, NginxSettings, find_nginx
+from kvgate.nginx_conf import DEBIAN_MODULES, LUA_DIR, NginxSettings, configure_lua, find_nginx
 from kvgate.policies import SessionAction
 from kvgate.queue import QueueFull, QueueTimeout
 from kvgate.registry import Registry
@@ -43,6 +43,7 @@ __all__ = [
     "SessionAction",
     "Sidecar",
     "build_sidecar",
+    "configure_lua",
     "extract",
     "find_nginx",
     "hash_key",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,10 @@ from kvgate.config.compute import (
     QueueConfig,
     TokensConfig,
 )
+from kvgate.config.fields import custom, load, part, reference
 from kvgate.config.gateway import GatewayConfig
 from kvgate.config.infra import DEFAULT_REDIS_URL, DEFAULT_SOCKET, ListenConfig, RedisConfig, ScrapeConfig
-from kvgate.config.parse import ConfigError, check_keys, section
+from kvgate.config.parse import ConfigError
 from kvgate.config.routing import LoadLimits, OutlierConfig, PolicyName, RoutingConfig
 
 __all__ = [
@@ -56,90 +57,65 @@ __all__ = [
     "ScrapeConfig",
     "TokensConfig",
     "hash_key",
+    "reference",
 ]
+
+
+def _discovery(data: Mapping[str, Any], where: str, key: str) -> tuple[DiscoverySpec, ...]:
+    raw = data.get(key) or []
+    if not isinstance(raw, list):
+        raise ConfigError(f"{key}: expected a list of {{dns: NAME, port: PORT}}")
+    return tuple(DiscoverySpec.from_mapping(d, f"{key}[{i}]") for i, d in enumerate(raw))
+
+
+def _backends(data: Mapping[str, Any], where: str, key: str) -> tuple[BackendSpec, ...]:
+    raw = data.get(key) or []
+    if not isinstance(raw, list):
+        raise ConfigError(f"{key}: expected a list of {{url: http://HOST:PORT, weight: 1}}")
+    backends = tuple(BackendSpec.from_mapping(b, f"{key}[{i}]") for i, b in enumerate(raw))
+    ids = [b.id for b in backends]
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"{key}: two backends share an id; give each a distinct id")
+    return backends
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    listen: ListenConfig = field(default_factory=ListenConfig)
-    gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    redis: RedisConfig = field(default_factory=RedisConfig)
-    scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
-    outlier: OutlierConfig = field(default_factory=OutlierConfig)
-    routing: RoutingConfig = field(default_factory=RoutingConfig)
-    membership: MembershipConfig = field(default_factory=MembershipConfig)
-    auth: AuthConfig = field(default_factory=AuthConfig)
-    limits: LimitsConfig = field(default_factory=LimitsConfig)
-    queue: QueueConfig = field(default_factory=QueueConfig)
-    pools: PoolsConfig = field(default_factory=PoolsConfig)
-    disaggregation: DisaggConfig = field(default_factory=DisaggConfig)
-    tokens: TokensConfig = field(default_factory=TokensConfig)
-    backends: tuple[BackendSpec, ...] = ()
-    discovery: tuple[DiscoverySpec, ...] = ()  # backends found through DNS, beside the listed ones
+    """The whole file: one field per section (each read by ``fields.load``), then the backends."""
+
+    listen: ListenConfig = part(ListenConfig, "the sidecar's listeners")
+    gateway: GatewayConfig = part(GatewayConfig, "Nginx's side")
+    redis: RedisConfig = part(RedisConfig, "shared state")
+    scrape: ScrapeConfig = part(ScrapeConfig, "load and health of the backends")
+    outlier: OutlierConfig = part(OutlierConfig, "passive health")
+    routing: RoutingConfig = part(RoutingConfig, "the policy")
+    membership: MembershipConfig = part(MembershipConfig, "which addresses a backend may have")
+    auth: AuthConfig = part(AuthConfig, "API keys")
+    limits: LimitsConfig = part(LimitsConfig, "rate limits")
+    queue: QueueConfig = part(QueueConfig, "the gateway queue")
+    pools: PoolsConfig = part(PoolsConfig, "length-bucketed pools")
+    disaggregation: DisaggConfig = part(DisaggConfig, "prefill/decode disaggregation")
+    tokens: TokensConfig = part(TokensConfig, "prompt bytes to tokens")
+    # Backends found through DNS, beside the listed ones (read first: they may stand in for a list).
+    discovery: tuple[DiscoverySpec, ...] = custom(
+        (), _discovery, "Backends found by resolving DNS names", item=DiscoverySpec
+    )
+    backends: tuple[BackendSpec, ...] = custom((), _backends, "The vLLM servers", item=BackendSpec)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
         if not isinstance(data, Mapping):
             raise ConfigError("the config file must be a YAML mapping (listen:, redis:, backends:, ...)")
-        data = _apply_env(data, env or {})
-        check_keys(
-            data,
-            "config",
-            {
-                "listen",
-                "gateway",
-                "redis",
-                "scrape",
-                "outlier",
-                "routing",
-                "membership",
-                "auth",
-                "limits",
-                "queue",
-                "pools",
-                "disaggregation",
-                "tokens",
-                "backends",
-                "discovery",
-            },
-        )
-        raw_discovery = data.get("discovery") or []
-        if not isinstance(raw_discovery, list):
-            raise ConfigError("discovery: expected a list of {dns: NAME, port: PORT}")
-        discovery = tuple(
-            DiscoverySpec.from_mapping(d, f"discovery[{i}]") for i, d in enumerate(raw_discovery)
-        )
-        raw_backends = data.get("backends") or []
-        if not isinstance(raw_backends, list):
-            raise ConfigError("backends: expected a list of {url: http://HOST:PORT, weight: 1}")
-        if not raw_backends and not discovery:
+        return load(cls, _apply_env(data, env or {}), "config")
+
+    def check(self, where: str) -> None:
+        if not self.backends and not self.discovery:
             # Membership can grow at run time (admin API, Redis), but a gateway that starts with
             # nothing to route to is a mistake far more often than a plan.
             raise ConfigError(
                 "backends: none listed; a gateway needs at least one {url: http://HOST:PORT} "
                 "(or a discovery: entry)"
             )
-        backends = tuple(BackendSpec.from_mapping(b, f"backends[{i}]") for i, b in enumerate(raw_backends))
-        ids = [b.id for b in backends]
-        if len(set(ids)) != len(ids):
-            raise ConfigError("backends: two backends share an id; give each a distinct id")
-        return cls(
-            listen=ListenConfig.from_mapping(section(data, "listen")),
-            gateway=GatewayConfig.from_mapping(section(data, "gateway")),
-            redis=RedisConfig.from_mapping(section(data, "redis")),
-            scrape=ScrapeConfig.from_mapping(section(data, "scrape")),
-            outlier=OutlierConfig.from_mapping(section(data, "outlier")),
-            routing=RoutingConfig.from_mapping(section(data, "routing")),
-            membership=MembershipConfig.from_mapping(section(data, "membership")),
-            auth=AuthConfig.from_mapping(section(data, "auth")),
-            limits=LimitsConfig.from_mapping(section(data, "limits")),
-            queue=QueueConfig.from_mapping(section(data, "queue")),
-            pools=PoolsConfig.from_mapping(section(data, "pools")),
-            disaggregation=DisaggConfig.from_mapping(section(data, "disaggregation")),
-            tokens=TokensConfig.from_mapping(section(data, "tokens")),
-            backends=backends,
-            discovery=discovery,
-        )
 
     @property
     def limited(self) -> bool:

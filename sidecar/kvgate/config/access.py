@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from kvgate.config.parse import ConfigError, check_keys, integer, ms
+from kvgate.config.fields import custom, load, millis, whole
+from kvgate.config.parse import ConfigError, check_keys, integer
 
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
@@ -25,8 +26,8 @@ def hash_key(key: str) -> str:
 class Rate:
     """A limit per minute; 0 means none."""
 
-    requests_per_minute: int = 0
-    tokens_per_minute: int = 0  # prompt + completion tokens
+    requests_per_minute: int = whole(0, 0, 10**9, "requests per minute; 0: no limit")
+    tokens_per_minute: int = whole(0, 0, 10**12, "prompt + completion tokens per minute; 0: no limit")
 
     @classmethod
     def from_mapping(cls, d: Any, where: str) -> Rate:
@@ -34,11 +35,7 @@ class Rate:
             return cls()
         if not isinstance(d, Mapping):
             raise ConfigError(f"{where}: expected {{requests_per_minute: N, tokens_per_minute: N}}")
-        check_keys(d, where, {"requests_per_minute", "tokens_per_minute"})
-        return cls(
-            integer(d, where, "requests_per_minute", 0, 0, 10**9),
-            integer(d, where, "tokens_per_minute", 0, 0, 10**12),
-        )
+        return load(cls, d, where)
 
     @property
     def limited(self) -> bool:
@@ -56,86 +53,94 @@ class ApiKey:
 OPEN_ROUTES = frozenset({"models", "metrics"})
 
 
+def _open_routes(d: Mapping[str, Any], where: str, key: str) -> tuple[str, ...]:
+    open_routes = d.get(key) or []
+    if not isinstance(open_routes, list) or not set(open_routes) <= OPEN_ROUTES:
+        raise ConfigError(f"{where}.{key}: expected a list among {sorted(OPEN_ROUTES)}, got {open_routes!r}")
+    return tuple(sorted(set(open_routes)))
+
+
+def _keys(d: Mapping[str, Any], where: str, key: str) -> tuple[ApiKey, ...]:
+    entries = list(d.get(key) or [])
+    if d.get("keys_file") is not None:
+        try:
+            loaded = yaml.safe_load(Path(str(d["keys_file"])).read_text()) or []
+        except OSError as exc:
+            raise ConfigError(f"{where}.keys_file: cannot read it: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{where}.keys_file: not valid YAML: {exc}") from None
+        if not isinstance(loaded, list):
+            raise ConfigError(f"{where}.keys_file: expected a list of {{name, sha256}}")
+        entries += loaded
+    keys = []
+    for i, e in enumerate(entries):
+        at = f"{where}.{key}[{i}]"
+        if not isinstance(e, Mapping):
+            raise ConfigError(f"{at}: expected {{name: team-a, sha256: <kvgate hash-key output>}}")
+        check_keys(e, at, {"name", "sha256", "rate", "priority"})
+        digest = str(e.get("sha256", "")).lower()
+        if not SHA256_HEX.fullmatch(digest):
+            raise ConfigError(f"{at}.sha256: expected 64 hex digits (kvgate hash-key prints them)")
+        name = e.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise ConfigError(f"{at}.name: expected 1-64 letters, digits, '.', '_' or '-'")
+        rate = Rate.from_mapping(e["rate"], f"{at}.rate") if "rate" in e else None
+        priority = integer(e, at, "priority", 0, -(2**31), 2**31 - 1) if "priority" in e else None
+        keys.append(ApiKey(name, digest, rate, priority))
+    if len({k.name for k in keys}) != len(keys) or len({k.sha256 for k in keys}) != len(keys):
+        raise ConfigError(f"{where}.{key}: names and keys must be distinct")
+    return tuple(keys)
+
+
 @dataclass(frozen=True, slots=True)
 class AuthConfig:
     """With keys configured, every request to the API needs ``Authorization: Bearer <key>`` with
     one of them; Nginx checks it even while the sidecar is away (it fails closed)."""
 
-    keys: tuple[ApiKey, ...] = ()
-    # Routes Nginx answers itself that need no key even with keys on: "models" (/v1/models),
-    # "metrics" (/kvgate/metrics, for a Prometheus without credentials). /health and /kvgate/health
-    # are always open (probes).
-    open_routes: tuple[str, ...] = ()
+    keys: tuple[ApiKey, ...] = custom(
+        (),
+        _keys,
+        "a list of {name, sha256 (kvgate hash-key prints it), rate, priority}, or a YAML file of them "
+        "(keys_file)",
+        also=("keys_file",),
+    )
+    open_routes: tuple[str, ...] = custom(
+        (),
+        _open_routes,
+        "routes Nginx answers itself that need no key even with keys on: models (/v1/models), "
+        "metrics (/kvgate/metrics, for a Prometheus without credentials); /health and "
+        "/kvgate/health are always open (probes)",
+    )
 
     @property
     def enabled(self) -> bool:
         return bool(self.keys)
 
-    @classmethod
-    def from_mapping(cls, d: Mapping[str, Any]) -> AuthConfig:
-        w = "auth"
-        check_keys(d, w, {"keys", "keys_file", "open_routes"})
-        open_routes = d.get("open_routes") or []
-        if not isinstance(open_routes, list) or not set(open_routes) <= OPEN_ROUTES:
-            raise ConfigError(
-                f"{w}.open_routes: expected a list among {sorted(OPEN_ROUTES)}, got {open_routes!r}"
-            )
-        entries = list(d.get("keys") or [])
-        if d.get("keys_file") is not None:
-            try:
-                loaded = yaml.safe_load(Path(str(d["keys_file"])).read_text()) or []
-            except OSError as exc:
-                raise ConfigError(f"{w}.keys_file: cannot read it: {exc.strerror}") from None
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"{w}.keys_file: not valid YAML: {exc}") from None
-            if not isinstance(loaded, list):
-                raise ConfigError(f"{w}.keys_file: expected a list of {{name, sha256}}")
-            entries += loaded
-        keys = []
-        for i, e in enumerate(entries):
-            where = f"{w}.keys[{i}]"
-            if not isinstance(e, Mapping):
-                raise ConfigError(f"{where}: expected {{name: team-a, sha256: <kvgate hash-key output>}}")
-            check_keys(e, where, {"name", "sha256", "rate", "priority"})
-            digest = str(e.get("sha256", "")).lower()
-            if not SHA256_HEX.fullmatch(digest):
-                raise ConfigError(f"{where}.sha256: expected 64 hex digits (kvgate hash-key prints them)")
-            name = e.get("name")
-            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
-                raise ConfigError(f"{where}.name: expected 1-64 letters, digits, '.', '_' or '-'")
-            rate = Rate.from_mapping(e["rate"], f"{where}.rate") if "rate" in e else None
-            priority = integer(e, where, "priority", 0, -(2**31), 2**31 - 1) if "priority" in e else None
-            keys.append(ApiKey(name, digest, rate, priority))
-        if len({k.name for k in keys}) != len(keys) or len({k.sha256 for k in keys}) != len(keys):
-            raise ConfigError(f"{w}.keys: names and keys must be distinct")
-        return cls(tuple(keys), tuple(sorted(set(open_routes))))
+
+def _rate(d: Mapping[str, Any], where: str, key: str) -> Rate:
+    return Rate.from_mapping(d.get(key), f"{where}.{key}")
 
 
 @dataclass(frozen=True, slots=True)
 class LimitsConfig:
     """Rate limits by requests and tokens, per API key and per client address, shared by every
     gateway replica through Redis. Decisions never wait on Redis for them: each sidecar counts
-    locally and exchanges its counts every ``sync_s``, so replicas see each other's use that late."""
+    locally and exchanges its counts every ``sync_ms``, so replicas see each other's use that late."""
 
-    per_key: Rate = field(default_factory=Rate)
-    per_client: Rate = field(default_factory=Rate)
-    sync_s: float = 1.0
-    # A request without max_tokens under a token limit gets one (written into its body): this many,
-    # or what is left of the tightest limit after its prompt, and that much is counted at admission
-    # (OpenAI counts max_tokens so too), so no stream can outrun its key's budget.
-    default_max_tokens: int = 4096
+    per_key: Rate = custom(
+        Rate(), _rate, "the limit of each API key (a key's own rate overrides it)", shown="no limit"
+    )
+    per_client: Rate = custom(Rate(), _rate, "the limit of each client address", shown="no limit")
+    sync_s: float = millis(1000, 50, 60_000, "how often each sidecar exchanges its counts through Redis")
+    default_max_tokens: int = whole(
+        4096,
+        1,
+        10_000_000,
+        "a request without max_tokens under a token limit gets one (written into its body): this "
+        "many, or what is left of the tightest limit after its prompt, and that much is counted at "
+        "admission (as OpenAI counts max_tokens), so no stream outruns its key's budget",
+    )
 
     @property
     def enabled(self) -> bool:
         return self.per_key.limited or self.per_client.limited
-
-    @classmethod
-    def from_mapping(cls, d: Mapping[str, Any]) -> LimitsConfig:
-        w = "limits"
-        check_keys(d, w, {"per_key", "per_client", "sync_ms", "default_max_tokens"})
-        return cls(
-            Rate.from_mapping(d.get("per_key"), f"{w}.per_key"),
-            Rate.from_mapping(d.get("per_client"), f"{w}.per_client"),
-            ms(d, w, "sync_ms", 1000, 50, 60_000),
-            integer(d, w, "default_max_tokens", 4096, 1, 10_000_000),
-        )

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import ipaddress
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvgate.config.parse import ConfigError, check_keys, integer, ms, num
+from kvgate.config.fields import custom, load, millis, number
+from kvgate.config.parse import ConfigError, integer
 
 # Backend ids appear in response headers, metric labels, Redis and the prefix index: visible ASCII
 # only, no spaces or control characters.
@@ -18,26 +20,57 @@ BACKEND_ID = re.compile(r"[A-Za-z0-9._:@/+\-\[\]]{1,128}")
 METRICS_MODES = ("auto", "vllm", "sglang", "none")
 
 
-def _labels_and_metrics(data: Mapping[str, Any], where: str) -> tuple[dict[str, str], str]:
-    """A backend's labels and metrics mode, as a listed backend and a discovery entry both give them."""
-    labels = data.get("labels") or {}
+def _labels(data: Mapping[str, Any], where: str, key: str) -> dict[str, str]:
+    labels = data.get(key) or {}
     if not isinstance(labels, Mapping):
-        raise ConfigError(f"{where}.labels: expected a mapping of label: value")
-    metrics = data.get("metrics", "auto")
+        raise ConfigError(f"{where}.{key}: expected a mapping of label: value")
+    return {str(k): str(v) for k, v in labels.items()}
+
+
+def _metrics(data: Mapping[str, Any], where: str, key: str) -> str:
+    metrics = data.get(key, "auto")
     if metrics not in METRICS_MODES:
-        raise ConfigError(f"{where}.metrics: {metrics!r}; choose one of {', '.join(METRICS_MODES)}")
-    return {str(k): str(v) for k, v in labels.items()}, str(metrics)
+        raise ConfigError(f"{where}.{key}: {metrics!r}; choose one of {', '.join(METRICS_MODES)}")
+    return str(metrics)
+
+
+def _url(data: Mapping[str, Any], where: str, key: str) -> str:
+    url = data.get(key)
+    if not isinstance(url, str):
+        raise ConfigError(f"{where}.{key}: required, e.g. url: http://10.0.0.5:8000")
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ConfigError(f"{where}.{key}: {url!r} must look like http://HOST:PORT (plain http to vLLM)")
+    return url.rstrip("/")
+
+
+def _backend_id(data: Mapping[str, Any], where: str, key: str) -> str:
+    parts = urlsplit(_url(data, where, "url"))
+    bid = str(data.get(key) or f"{parts.hostname}:{parts.port or 80}")
+    if not BACKEND_ID.fullmatch(bid):
+        raise ConfigError(
+            f"{where}.{key}: {bid!r} must be 1-128 letters, digits or ._:@/+-[] (it names the backend in "
+            "headers and metrics)"
+        )
+    return bid
+
+
+LABELS_HELP = "labels: {pool: short}, {role: prefill}, ... (pools and disaggregation read them)"
+METRICS_HELP = (
+    "which metrics the backend exposes: vllm or sglang names (auto: either), or none (any "
+    "OpenAI-compatible server: health from /health, load from kvgate's own in-flight counts)"
+)
 
 
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
-    id: str
-    url: str
-    weight: float = 1.0
-    labels: Mapping[str, str] = field(default_factory=dict)
-    # Which metrics the backend exposes: vllm or sglang names (auto: either), or none (any
-    # OpenAI-compatible server: health from /health, load from kvgate's own in-flight counts).
-    metrics: str = "auto"
+    id: str = custom(
+        dataclasses.MISSING, _backend_id, "its name in headers, metrics and Redis", shown="HOST:PORT"
+    )
+    url: str = custom(dataclasses.MISSING, _url, "http://HOST:PORT of a vLLM server", shown="(required)")
+    weight: float = number(1.0, 0.01, 1000.0, "its share of the ring")
+    labels: Mapping[str, str] = custom({}, _labels, LABELS_HELP)
+    metrics: str = custom("auto", _metrics, METRICS_HELP)
 
     @property
     def address(self) -> str:
@@ -50,27 +83,7 @@ class BackendSpec:
     def from_mapping(cls, data: Mapping[str, Any], where: str) -> BackendSpec:
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where}: expected a mapping with at least 'url'")
-        check_keys(data, where, {"id", "url", "weight", "labels", "metrics"})
-        url = data.get("url")
-        if not isinstance(url, str):
-            raise ConfigError(f"{where}.url: required, e.g. url: http://10.0.0.5:8000")
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ConfigError(f"{where}.url: {url!r} must look like http://HOST:PORT (plain http to vLLM)")
-        bid = str(data.get("id") or f"{parts.hostname}:{parts.port or 80}")
-        if not BACKEND_ID.fullmatch(bid):
-            raise ConfigError(
-                f"{where}.id: {bid!r} must be 1-128 letters, digits or ._:@/+-[] (it names the backend in "
-                "headers and metrics)"
-            )
-        labels, metrics = _labels_and_metrics(data, where)
-        return cls(
-            id=bid,
-            url=url.rstrip("/"),
-            weight=num(data, where, "weight", 1.0, 0.01, 1000.0),
-            labels=labels,
-            metrics=metrics,
-        )
+        return load(cls, data, where)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +141,16 @@ class AllowRule:
         return cls(host.lower(), None, lo, hi)
 
 
+def _allow(d: Mapping[str, Any], where: str, key: str) -> tuple[AllowRule, ...]:
+    allow = d.get(key) or []
+    if not isinstance(allow, list) or not all(isinstance(a, str) and a for a in allow):
+        raise ConfigError(
+            f"{where}.{key}: expected a list of HOST:PORT entries like 10.0.0.0/8:8000 or "
+            "*.svc.cluster.local:8000"
+        )
+    return tuple(AllowRule.parse(a, f"{where}.{key}[{i}]") for i, a in enumerate(allow))
+
+
 @dataclass(frozen=True, slots=True)
 class MembershipConfig:
     """Which addresses a backend may have. Membership is shared through Redis, and anyone who can
@@ -136,19 +159,12 @@ class MembershipConfig:
     host alone would let a listener on any other port of that host capture traffic. Empty: exactly
     the addresses of the config's own backends and of the ones its discovery finds."""
 
-    allow: tuple[AllowRule, ...] = ()
-
-    @classmethod
-    def from_mapping(cls, d: Mapping[str, Any]) -> MembershipConfig:
-        w = "membership"
-        check_keys(d, w, {"allow"})
-        allow = d.get("allow") or []
-        if not isinstance(allow, list) or not all(isinstance(a, str) and a for a in allow):
-            raise ConfigError(
-                f"{w}.allow: expected a list of HOST:PORT entries like 10.0.0.0/8:8000 or "
-                "*.svc.cluster.local:8000"
-            )
-        return cls(tuple(AllowRule.parse(a, f"{w}.allow[{i}]") for i, a in enumerate(allow)))
+    allow: tuple[AllowRule, ...] = custom(
+        (),
+        _allow,
+        "HOST:PORT entries (10.0.0.5:8000, 10.0.0.0/8:8000-8010, *.svc.cluster.local:8000, "
+        "[fd00::/8]:8000, :* for any port); empty: the config's own backends and discovery",
+    )
 
 
 # A DNS name: letters, digits, hyphens and dots (a headless Service's name in Kubernetes).
@@ -157,21 +173,41 @@ DNS_NAME = re.compile(
 )
 
 
+def _dns(data: Mapping[str, Any], where: str, key: str) -> str:
+    name = data.get(key)
+    if not isinstance(name, str) or not DNS_NAME.fullmatch(name):
+        raise ConfigError(f"{where}.{key}: {name!r} is not a DNS name (e.g. vllm.default.svc.cluster.local)")
+    return name
+
+
+def _port(data: Mapping[str, Any], where: str, key: str) -> int:
+    if key not in data:
+        raise ConfigError(f"{where}.{key}: required (the port every resolved address serves on)")
+    return integer(data, where, key, 8000, 1, 65535)
+
+
+def _scheme(data: Mapping[str, Any], where: str, key: str) -> str:
+    scheme = data.get(key, "http")
+    if scheme not in ("http", "https"):
+        raise ConfigError(f"{where}.{key}: {scheme!r}; choose http or https")
+    return str(scheme)
+
+
 @dataclass(frozen=True, slots=True)
 class DiscoverySpec:
     """Backends found by resolving a DNS name: each address it resolves to is one backend at
     ``scheme://address:port`` (a Kubernetes headless Service resolves to the addresses of its ready
     pods). Every sidecar resolves the same name, so replicas agree without coordinating; addresses
-    that appear are added, those that disappear are removed, each within ``interval``."""
+    that appear are added, those that disappear are removed, each within ``interval_ms``."""
 
-    dns: str
-    port: int
-    scheme: str = "http"
-    interval_s: float = 10.0
-    timeout_s: float = 2.0
-    weight: float = 1.0
-    labels: Mapping[str, str] = field(default_factory=dict)
-    metrics: str = "auto"
+    dns: str = custom(dataclasses.MISSING, _dns, "the name to resolve", shown="(required)")
+    port: int = custom(dataclasses.MISSING, _port, "every resolved address serves on it", shown="(required)")
+    scheme: str = custom("http", _scheme, "http or https")
+    interval_s: float = millis(10_000, 500, 3_600_000, "how often the name is resolved again")
+    timeout_s: float = millis(2_000, 50, 30_000, "of one resolution")
+    weight: float = number(1.0, 0.01, 1000.0, "each found backend's share of the ring")
+    labels: Mapping[str, str] = custom({}, _labels, LABELS_HELP)
+    metrics: str = custom("auto", _metrics, METRICS_HELP)
 
     def spec(self, address: str) -> BackendSpec:
         host = f"[{address}]" if ":" in address else address
@@ -187,27 +223,4 @@ class DiscoverySpec:
     def from_mapping(cls, data: Mapping[str, Any], where: str) -> DiscoverySpec:
         if not isinstance(data, Mapping):
             raise ConfigError(f"{where}: expected {{dns: NAME, port: PORT}}")
-        check_keys(
-            data, where, {"dns", "port", "scheme", "interval_ms", "timeout_ms", "weight", "labels", "metrics"}
-        )
-        name = data.get("dns")
-        if not isinstance(name, str) or not DNS_NAME.fullmatch(name):
-            raise ConfigError(
-                f"{where}.dns: {name!r} is not a DNS name (e.g. vllm.default.svc.cluster.local)"
-            )
-        if "port" not in data:
-            raise ConfigError(f"{where}.port: required (the port every resolved address serves on)")
-        scheme = data.get("scheme", "http")
-        if scheme not in ("http", "https"):
-            raise ConfigError(f"{where}.scheme: {scheme!r}; choose http or https")
-        labels, metrics = _labels_and_metrics(data, where)
-        return cls(
-            dns=name,
-            port=integer(data, where, "port", 8000, 1, 65535),
-            scheme=scheme,
-            interval_s=ms(data, where, "interval_ms", 10_000, 500, 3_600_000),
-            timeout_s=ms(data, where, "timeout_ms", 2_000, 50, 30_000),
-            weight=num(data, where, "weight", 1.0, 0.01, 1000.0),
-            labels=labels,
-            metrics=metrics,
-        )
+        return load(cls, data, where)

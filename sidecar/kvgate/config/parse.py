@@ -27,12 +27,17 @@ def check_keys(data: Mapping[str, Any], where: str, allowed: set[str]) -> None:
         )
 
 
+def shown(value: float) -> str:
+    """A number as a person writes it: 3600000, not 3.6e+06; 0.5 stays 0.5."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 def ms(data: Mapping[str, Any], where: str, key: str, default_ms: float, lo: float, hi: float) -> float:
     value = data.get(key, default_ms)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{where}.{key}: expected a number of milliseconds, got {value!r}")
     if not lo <= value <= hi:
-        raise ConfigError(f"{where}.{key}: {value} ms is out of range; use {lo:g}..{hi:g} ms")
+        raise ConfigError(f"{where}.{key}: {value} ms is out of range; use {shown(lo)}..{shown(hi)} ms")
     return float(value) / 1000.0
 
 
@@ -41,7 +46,7 @@ def num(data: Mapping[str, Any], where: str, key: str, default: float, lo: float
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{where}.{key}: expected a number, got {value!r}")
     if not lo <= value <= hi:
-        raise ConfigError(f"{where}.{key}: {value} is out of range; use {lo:g}..{hi:g}")
+        raise ConfigError(f"{where}.{key}: {value} is out of range; use {shown(lo)}..{shown(hi)}")
     return float(value)
 
 

@@ -1,0 +1,90 @@
+"""The token estimate: bytes per token learned per model from what the backends counted, or fixed."""
+
+from __future__ import annotations
+
+import pytest
+from kvgate.config import ConfigError, TokensConfig
+from kvgate.config.fields import load
+from kvgate.tokens import TokenEstimator
+
+from tests.cores import MODEL
+
+
+def test_bytes_per_token_is_learned_from_what_each_backend_counted() -> None:
+    t = TokenEstimator(TokensConfig())
+    assert t.ratio(MODEL) == 4.0  # until something is learned
+    t.counted("a", 100.0)  # first sight: the window starts here
+    t.served("a", MODEL, 20_000)
+    t.counted("a", 100.0 + 10_000)  # 20,000 bytes were 10,000 tokens
+    assert t.ratio(MODEL) == pytest.approx(2.0)
+    t.served("a", MODEL, 40_000)
+    t.counted("a", 10_100.0 + 10_000)  # 4 bytes per token now: smoothed, not jumped to
+    assert 2.0 < t.ratio(MODEL) < 4.0
+
+
+def test_the_ratio_holds_when_reports_and_scrapes_are_out_of_step() -> None:
+    """Prompts of 3 bytes per token, 2,000 to 40,000 tokens long; the backend counts each one when
+    its prefill ends, and Nginx's first-byte report reaches the sidecar up to a scrape later (or
+    earlier than the scrape that reads the count). The learned ratio stays near 3 throughout: it is
+    a ratio of sums over the same prompts, not an average of each window's ratio."""
+    import random
+
+    rng = random.Random(7)
+    t = TokenEstimator(TokensConfig())
+    counter = 0.0
+    t.counted("a", counter)
+    late: list[int] = []  # bytes whose report comes after the next scrape
+    seen = []
+    for _ in range(400):
+        for size in late:
+            t.served("a", MODEL, size)
+        late = []
+        for _ in range(rng.randint(0, 2)):  # prompts whose prefill ended in this window
+            tokens = rng.randint(2_000, 40_000)
+            counter += tokens
+            if rng.random() < 0.5:
+                t.served("a", MODEL, 3 * tokens)
+            else:
+                late.append(3 * tokens)
+        t.counted("a", counter)
+        if MODEL in t.learned:
+            seen.append(t.ratio(MODEL))
+    assert len(seen) > 300
+    assert all(2.4 < r < 3.6 for r in seen[20:])  # within 20 % once it has a few windows
+    assert abs(sum(seen[20:]) / len(seen[20:]) - 3.0) < 0.15
+
+
+def test_with_several_replicas_each_learns_from_its_share_of_the_counts() -> None:
+    """Two replicas each send half the prompts; each sees the whole counter move but only its own
+    bytes, so each divides the counted tokens by the replica count."""
+    t = TokenEstimator(TokensConfig())
+    t.counted("a", 0.0, replicas=2)
+    t.served("a", MODEL, 30_000)  # ours: 10,000 tokens at 3 bytes per token
+    t.counted("a", 20_000.0, replicas=2)  # ours and the other replica's, 10,000 tokens each
+    assert t.ratio(MODEL) == pytest.approx(3.0)
+
+
+def test_windows_that_mix_models_or_follow_a_restart_teach_nothing() -> None:
+    t = TokenEstimator(TokensConfig())
+    t.counted("a", 0.0)
+    t.served("a", MODEL, 20_000)
+    t.served("a", "other", 20_000)
+    t.counted("a", 10_000.0)
+    assert t.learned == {}
+    t.served("a", MODEL, 20_000)
+    t.counted("a", 5.0)  # the counter went back: the backend restarted
+    assert t.learned == {}
+    t.served("a", MODEL, 100)
+    t.counted("a", 105.0)  # 100 tokens: too small a window to trust
+    assert t.learned == {}
+
+
+def test_a_ratio_set_in_the_config_wins_and_bad_ones_are_refused() -> None:
+    t = TokenEstimator(load(TokensConfig, {"bytes_per_token": {MODEL: 2.5}}, "tokens"))
+    t.counted("a", 0.0)
+    t.served("a", MODEL, 40_000)
+    t.counted("a", 10_000.0)
+    assert t.ratio(MODEL) == 2.5 and t.ratio("other") == 4.0
+    for bad in (0, "x", True, 100, float("nan")):
+        with pytest.raises(ConfigError, match="bytes_per_token"):
+            load(TokensConfig, {"bytes_per_token": {MODEL: bad}}, "tokens")
