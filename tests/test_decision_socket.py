@@ -1,0 +1,58 @@
+"""The decision socket in process: a real unix socket, lines in and out, as Nginx speaks them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import stat
+from pathlib import Path
+
+from kvgate import protocol
+from kvgate.decision_socket import DecisionServer
+from kvgate.messages import Decide, DecisionReply, ErrorCode, ErrorReply, ModelsQuery, Outcome, Report
+
+from tests.cores import core, features, run
+
+
+def test_decisions_errors_and_reports_on_one_connection(tmp_path: Path) -> None:
+    sc = core(n=2)
+    path = str(tmp_path / "d.sock")
+
+    async def go() -> None:
+        server = DecisionServer(sc.service, sc.registry, sc.agreement)
+        await server.start(path)
+        mode = (await asyncio.to_thread(Path(path).stat)).st_mode
+        assert stat.S_IMODE(mode) == 0o660
+        reader, writer = await asyncio.open_unix_connection(path)
+
+        async def ask(obj: object) -> object:
+            writer.write(obj if isinstance(obj, bytes) else protocol.line(obj))  # type: ignore[arg-type]
+            await writer.drain()
+            return protocol.decode_reply(json.loads(await reader.readline()))
+
+        reply = await ask(protocol.encode_message(Decide("d1", features(1))))
+        assert isinstance(reply, DecisionReply) and reply.candidates[0].id in ("b0", "b1")
+        assert len(sc.registry.ledger) == 1 and server.connections == 1
+        # A line that is no message is refused on the same connection, which stays usable.
+        refused = await ask(b'{"pv":4,"op":"decide","i":""}\n')
+        assert isinstance(refused, ErrorReply) and refused.code is ErrorCode.BAD_REQUEST
+        models = await ask(protocol.encode_message(ModelsQuery()))
+        assert models is not None
+        end = Outcome.end("d1", reply.candidates[0].id, 200)
+        writer.write(protocol.line(protocol.encode_message(Report((end,)))))  # no answer to a report
+        await writer.drain()
+        for _ in range(100):
+            if len(sc.registry.ledger) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert len(sc.registry.ledger) == 0
+        writer.close()
+        await writer.wait_closed()
+        for _ in range(100):
+            if server.connections == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert server.connections == 0
+        await server.stop()
+
+    run(go())
