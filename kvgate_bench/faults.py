@@ -14,7 +14,7 @@ injects a fault, holds it, heals it, and keeps the load on a little longer. Ever
 Reported per scenario: requests, ok, failed by design, failed, the time to recover (from the fault's
 start, or from the heal for faults that need one, to the first second of only ok requests), and
 whether every in-flight count was back to zero within 5 s of idle. The test suite runs short
-versions (``tests/test_faults.py``); ``kvgate-bench faults`` runs them at length, the fuzz corpus, and a
+versions (``tests/e2e/test_faults.py``); ``kvgate-bench faults`` runs them at length, the fuzz corpus, and a
 soak that checks memory.
 """
 

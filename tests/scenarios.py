@@ -1,5 +1,5 @@
 """Scenarios that run unchanged against any provider of a kvgate stack: local processes
-(``tests/test_gateway_e2e.py``) or containers built from ``docker/`` (``tests/test_containers.py``)."""
+(``tests/e2e/test_gateway.py``) or containers built from ``docker/`` (``tests/deploy/test_containers.py``)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,16 @@
-"""Backends from DNS (a Kubernetes headless Service): the config, one round at a time against a
-resolver the test controls, and a real gateway whose only backends come from resolving a name."""
+"""Backends from DNS (a Kubernetes headless Service): the config, and one round at a time against a
+resolver the test controls (a real gateway whose only backends come from resolving a name:
+``tests/e2e/test_discovery.py``)."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from kvgate.config import BackendSpec, Config, ConfigError
 from kvgate.discovery import discover_once
 from kvgate.membership import AddressPolicy, Membership
 from kvgate.sidecar import build_sidecar
-from kvgate.tools.launcher import Supervisor, free_port
-
-from tests.conftest import MODEL, http_json, wait_until
-from tests.helpers import Gateway, start_backends
 
 DNS = {"dns": "vllm.default.svc.cluster.local", "port": 8000}
 
@@ -86,31 +82,3 @@ def test_rounds_add_what_appears_remove_what_goes_and_survive_a_failed_lookup() 
         assert hosts() == set() and owned == set() and set(core.registry.backends) == {"static"}
 
     asyncio.run(scenario())
-
-
-def test_a_gateway_routes_to_backends_it_found_by_resolving_a_name(tmp_path: Path) -> None:
-    """No backend listed: the sidecar resolves `localhost` (as it would a headless Service) and the
-    simulator on its port serves the requests the real Nginx sends."""
-    stack = Supervisor(tmp_path / "run")
-    try:
-        redis_port = free_port()
-        stack.start_redis(redis_port)
-        sim = start_backends(stack, 1)
-        gw = Gateway(
-            stack,
-            "gw",
-            redis_port,
-            sim,
-            0,
-            extra={"discovery": [{"dns": "localhost", "port": sim, "interval_ms": 500}]},
-        )
-        expected = f"localhost@127.0.0.1:{sim}"
-        wait_until(lambda: gw.sidecar.backends().get(expected, {}).get("state") == "healthy", timeout=10)
-        body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "found by DNS"}]}
-        for _ in range(3):
-            status, _ = http_json("POST", gw.url + "/v1/chat/completions", body)
-            assert status == 200
-        wait_until(lambda: gw.sidecar.backends()[expected]["inflight"] == 0, timeout=2)  # reports arrive
-        assert http_json("GET", gw.url + "/kvgate/health")[1]["eligible_backends"] >= 1
-    finally:
-        stack.stop_all()

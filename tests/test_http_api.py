@@ -120,6 +120,6 @@ def test_debug_memory_names_every_bounded_structure_beside_its_bound(redis_url: 
             assert s["prefix_index_bound"] == cfg.routing.prefix_index_blocks
             assert s["local_sessions"] == s["decisions_in_flight"] == s["queue_waiting"] == 0
             # ?objects=1 (a collection and a heap walk) is tested against a sidecar process of its
-            # own (test_sidecar_integration): here it would walk the whole test session's heap.
+            # own (tests/e2e/test_sidecar.py): here it would walk the whole test session's heap.
 
     run(scenario())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -77,6 +78,33 @@ def test_runtime_modules_stay_small_enough_to_read() -> None:
         if n > 250:
             too_long.append(f"{path.relative_to(ROOT)}: {n} lines")
     assert not too_long, too_long
+
+
+def unit_test_file(name: str) -> Path:
+    """Where a runtime module's own tests live: kvgate.sessions -> tests/test_sessions.py,
+    kvgate.config.routing -> tests/test_config_routing.py."""
+    return ROOT / "tests" / ("test_" + "_".join(name.split(".")[1:]) + ".py")
+
+
+def test_every_runtime_module_has_a_unit_test_file_of_its_name() -> None:
+    missing = [
+        name
+        for name in modules()
+        if (runtime(name) or name == "kvgate.cli") and name != "kvgate.__main__"
+        if not unit_test_file(name).exists()
+    ]
+    assert not missing, missing
+
+
+def test_end_to_end_tests_live_apart() -> None:
+    """A test that starts Nginx, a gateway stack or containers lives in tests/e2e (or tests/real)."""
+    starts = re.compile(r"\b(Gateway|Stack|launch_replica|start_backends|lua_harness|DockerCompose)\b")
+    mixed = [
+        path.name
+        for path in (ROOT / "tests").glob("test_*.py")
+        if path.name != "test_structure.py" and starts.search(path.read_text())
+    ]
+    assert not mixed, mixed
 
 
 def test_the_runtime_imports_no_tool_no_benchmark_and_no_simulator() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.docker
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def docker_engine_or_skip() -> None:

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import MODEL, require_binary, wait_until
 from tests.helpers import Gateway, start_backends
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 KVGATE_SERVICES = ("sim", "sidecar", "gateway")
 

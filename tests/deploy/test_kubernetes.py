@@ -16,7 +16,7 @@ import pytest
 import yaml
 from kvgate.config import Config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.31.0"
 

@@ -13,7 +13,7 @@ import yaml
 
 from tests.conftest import require_binary
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "deploy" / "systemd"
 
 

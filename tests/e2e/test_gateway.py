@@ -133,7 +133,7 @@ def test_openai_client_chat_and_completions_stream_and_not(env: Env) -> None:
 
 
 def test_the_shared_client_scenario_passes_on_local_processes(env: Env) -> None:
-    """The scenario tests/test_containers.py runs against the container stack."""
+    """The scenario tests/deploy/test_containers.py runs against the container stack."""
     scenarios.a_client_session(env.gw.url, MODEL)
 
 

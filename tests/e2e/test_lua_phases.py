@@ -20,7 +20,7 @@ from tests.conftest import http_json, wait_until
 from tests.lua_harness import MockSidecar, PhaseNginx, backend_server, stream_server
 
 pytestmark = pytest.mark.e2e
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
 
 

@@ -14,8 +14,8 @@ import pytest
 from kvgate.tools.launcher import Supervisor, free_port
 
 from tests.conftest import http_json, wait_until
+from tests.e2e.test_lua_phases import CHAT, Phase
 from tests.lua_harness import MockSidecar, PhaseNginx
-from tests.test_lua_phases import CHAT, Phase
 
 pytestmark = pytest.mark.e2e
 HEARTBEAT_MS = 100

@@ -287,7 +287,7 @@ def test_a_backend_that_hangs_after_answering_quickly_is_left_after_the_learned_
     """With the default 60 s ceiling: a backend whose first bytes came within milliseconds is given
     the 5 s floor, not 60 s, before the next candidate is tried (they used to wait 60 s and fail).
     That is a JSON request's wait; a stream waits at least first_byte_stream_min_ms (30 s), since
-    past its headers the timeout would only cut it (tests/test_lua_phases.py)."""
+    past its headers the timeout would only cut it (tests/e2e/test_lua_phases.py)."""
     s = Stack(stack, n=2, policy="round_robin")
     for i in range(14):  # seven first bytes from each: more than the fit needs
         status, text = http_json(

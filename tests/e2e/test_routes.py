@@ -12,7 +12,7 @@ import pytest
 from kvgate.tools.launcher import Supervisor
 
 from tests.conftest import MODEL, http_json
-from tests.test_gateway_e2e import Env, client, post, raw_post
+from tests.e2e.test_gateway import Env, client, post, raw_post
 
 pytestmark = pytest.mark.e2e
 

@@ -157,7 +157,7 @@ def test_a_listener_on_another_port_of_a_backend_host_is_never_adopted(stack: Su
 
 def test_files_and_socket_are_private(tmp_path: Path) -> None:
     """kvgate up: the admin token and the config holding it are 0600, the socket 0660."""
-    from tests.test_cli_up import KVGATE
+    from tests.e2e.test_cli_up import KVGATE
 
     run_dir = tmp_path / "run"
     port, sim, redis_port, sidecar = free_port(), free_port(), free_port(), free_port()
@@ -202,7 +202,7 @@ def test_route_headers_off_from_the_config_and_the_upstream_path_is_normalized(s
 def test_the_example_config_turns_route_headers_off(tmp_path: Path) -> None:
     from kvgate.cli import main
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     assert main(["render-nginx", "--config", str(root / "kvgate.example.yaml"), "--out", str(tmp_path)]) == 0
     assert "route_headers = false" in (tmp_path / "kvgate-http.conf").read_text()
 

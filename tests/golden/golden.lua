@@ -1,4 +1,4 @@
--- Runs the Lua twins over the golden files, in a real Nginx (tests/test_lua_phases.py):
+-- Runs the Lua twins over the golden files, in a real Nginx (tests/e2e/test_lua_phases.py):
 -- GET /test/golden?file=features -> what features.extract computes for each case;
 -- GET /test/golden?file=protocol -> what protocol.lua builds and reads for each case.
 -- Python compares the answers with the golden expectations.

@@ -1,7 +1,7 @@
 """Regenerates protocol.json: wire messages of the Lua <-> sidecar protocol and what they mean.
 
 Both twins check every case: Python (``tests/test_protocol.py``) and Lua in a real Nginx
-(``tests/test_lua_phases.py``) must build each ``wire`` message from its meaning and read it back.
+(``tests/e2e/test_lua_phases.py``) must build each ``wire`` message from its meaning and read it back.
 Run only when the protocol changes on purpose (both protocol.py and protocol.lua), then review the
 diff: ``python tests/golden/make_protocol.py``.
 """
