@@ -41,7 +41,7 @@ from kvgate.public import DEBIAN_MODULES, Config, NginxSettings, find_nginx
 from kvgate.tools.launcher import Supervisor, free_port, launch_replica, process_tree, wait_listening
 
 from kvgate_bench import phases, report
-from kvgate_bench.live import PEER_VENV, ensure_peer_venv
+from kvgate_bench.targets import PEER_VENV, ensure_peer_venv
 
 MODEL = "bench-model"
 COMPLETION = json.dumps(

@@ -29,7 +29,7 @@ from kvgate.tools.launcher import Supervisor, free_port, free_ports, launch_repl
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_bench import report
-from kvgate_bench.live import _one
+from kvgate_bench.stream_client import one_request
 from kvgate_bench.workloads import SIM_MODEL, BenchRequest, add_workload_args, build_workload
 
 
@@ -133,7 +133,7 @@ async def run_load(
                 i = next_i
                 next_i += 1
                 k = i % len(bodies)
-                samples.append(await _one(session, url, reqs[k], bodies[k]))
+                samples.append(await one_request(session, url, reqs[k], bodies[k]))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvgate_bench import live, report
+from kvgate_bench import live, report, targets
 from kvgate_bench.workloads import add_workload_args, build_workload
 
 TOLERANCE = 0.15
@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(reqs)} requests; profile {profile}: {json.dumps(measured['measured'])}", file=sys.stderr)
     rows: dict[str, list[report.Summary]] = {"real": [], "sim": []}
     args.real_vllm = args.servers
-    with live.real_fleet(args, out) as real:
+    with targets.real_fleet(args, out) as real:
         for _ in range(args.repeats):
             for target in args.targets:
                 rows["real"].append(

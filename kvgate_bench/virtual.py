@@ -36,13 +36,14 @@ from kvgate.public import (
 
 from kvgate_bench.report import Sample, Summary, summarize
 from kvgate_bench.workloads import TRACE_BLOCK_TOKENS, BenchRequest
-from vllm_sim.engine import Engine, EngineConfig, Request, SchedulingPolicy, TokenEvent
+from vllm_sim.engine import Engine
 from vllm_sim.kv_cache import block_hashes
 from vllm_sim.profiles import Profile
+from vllm_sim.request import EngineConfig, Request, SchedulingPolicy, TokenEvent
 
 T = TypeVar("T")
 # Between two scrapes of the engines' load, in simulated seconds: the replay's, and the live sidecar's
-# in the live benchmarks (``live.start_target`` scales it by the time-scale), so both see load as often.
+# in the live benchmarks (``targets.start_target`` scales it by the time-scale), so both see load as often.
 SCRAPE_INTERVAL_S = 0.5
 
 

@@ -2,9 +2,10 @@ import asyncio
 import itertools
 
 from vllm_sim import tokenizer
-from vllm_sim.engine import Engine, EngineConfig, Request, SchedulingPolicy, run_to_completion
+from vllm_sim.engine import Engine, run_to_completion
 from vllm_sim.profiles import LLAMA3_8B_H100 as H100
 from vllm_sim.realtime import EngineLoop
+from vllm_sim.request import EngineConfig, Request, SchedulingPolicy
 
 
 def prompt(key: int, n: int) -> list[int]:

@@ -16,8 +16,8 @@ from kvgate.tools.launcher import free_ports
 from tests.conftest import MODEL
 from tests.cores import config, run
 from tests.helpers import chat
-from vllm_sim.engine import EngineConfig
 from vllm_sim.profiles import LLAMA3_8B_H100
+from vllm_sim.request import EngineConfig
 from vllm_sim.server import Instance, InstanceConfig
 
 

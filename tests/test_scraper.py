@@ -149,9 +149,10 @@ def _reference(text: str) -> dict[str, float]:
 def test_the_line_scanner_reads_what_prometheus_clients_parser_reads() -> None:
     """On a whole exposition of the simulator (histograms, _created series, HELP/TYPE lines, both
     name generations) and on label values holding braces, quotes and spaces."""
-    from vllm_sim.engine import Engine, EngineConfig, Request
+    from vllm_sim.engine import Engine
     from vllm_sim.metrics import InstanceMetrics
     from vllm_sim.profiles import LLAMA3_8B_H100
+    from vllm_sim.request import EngineConfig, Request
 
     engine = Engine(EngineConfig.from_profile(LLAMA3_8B_H100))
     for i in range(5):
@@ -178,9 +179,10 @@ def test_the_line_scanner_costs_a_fraction_of_the_full_parser() -> None:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from vllm_sim.engine import Engine, EngineConfig
+    from vllm_sim.engine import Engine
     from vllm_sim.metrics import InstanceMetrics
     from vllm_sim.profiles import LLAMA3_8B_H100
+    from vllm_sim.request import EngineConfig
 
     text = (
         InstanceMetrics(Engine(EngineConfig.from_profile(LLAMA3_8B_H100)), "m", lambda: (0, 0, 0))
@@ -255,9 +257,10 @@ def test_a_slow_or_broken_metrics_route_is_unknown_load_and_a_slow_health_a_time
     from aiohttp import web
     from kvgate.scraper import LoadUnknown, Unhealthy, scrape
 
-    from vllm_sim.engine import Engine, EngineConfig
+    from vllm_sim.engine import Engine
     from vllm_sim.metrics import InstanceMetrics
     from vllm_sim.profiles import LLAMA3_8B_H100
+    from vllm_sim.request import EngineConfig
 
     good = InstanceMetrics(Engine(EngineConfig.from_profile(LLAMA3_8B_H100)), "m", lambda: (0, 0, 0)).render()
     state: dict[str, Any] = {"health_delay": 0.0, "health": 200, "metrics_delay": 0.0, "metrics": good}

@@ -6,8 +6,9 @@ import statistics
 from dataclasses import dataclass
 
 from vllm_sim import tokenizer
-from vllm_sim.engine import Engine, EngineConfig, Request, StepResult, run_to_completion
+from vllm_sim.engine import Engine, run_to_completion
 from vllm_sim.profiles import Profile, Target
+from vllm_sim.request import EngineConfig, Request, StepResult
 
 TOLERANCE = 0.20
 

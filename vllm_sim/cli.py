@@ -11,9 +11,9 @@ import sys
 from collections.abc import Sequence
 
 from vllm_sim.calibrate import calibrate, report
-from vllm_sim.engine import EngineConfig, SchedulingPolicy
 from vllm_sim.faults import Faults
 from vllm_sim.profiles import PROFILES, get_profile
+from vllm_sim.request import EngineConfig, SchedulingPolicy
 from vllm_sim.server import KEEP_ALIVE_S, ROLES, VLLM_VERSION, Instance, InstanceConfig
 
 PROFILE_HELP = (

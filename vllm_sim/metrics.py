@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from vllm_sim.engine import FINISH_REASONS, Engine
+from vllm_sim.engine import Engine
+from vllm_sim.request import FINISH_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -15,7 +15,8 @@ import asyncio
 import logging
 from collections import deque
 
-from vllm_sim.engine import Engine, Request, TokenEvent
+from vllm_sim.engine import Engine
+from vllm_sim.request import Request, TokenEvent
 
 logger = logging.getLogger(__name__)
 LAG_WINDOW_S = 2.0

@@ -16,10 +16,11 @@ from typing import Any
 from aiohttp import web
 
 from vllm_sim import apis, protocol, tokenizer
-from vllm_sim.engine import Engine, EngineConfig, Request, SchedulingPolicy, TokenEvent
+from vllm_sim.engine import Engine
 from vllm_sim.faults import Faults
 from vllm_sim.metrics import CONTENT_TYPE, InstanceMetrics
 from vllm_sim.realtime import INTERNAL_ERROR, EngineLoop
+from vllm_sim.request import EngineConfig, Request, SchedulingPolicy, TokenEvent
 
 logger = logging.getLogger(__name__)
 VLLM_VERSION = "0.11.0"

@@ -574,8 +574,8 @@ def test_a_write_that_finds_the_connection_closed_ends_the_handler_as_a_disconne
     from aiohttp.client_exceptions import ClientConnectionResetError
     from aiohttp.test_utils import make_mocked_request
 
-    from vllm_sim.engine import EngineConfig
     from vllm_sim.profiles import LLAMA3_8B_H100
+    from vllm_sim.request import EngineConfig
     from vllm_sim.server import Instance, InstanceConfig
 
     inst = Instance(InstanceConfig(MODEL, EngineConfig.from_profile(LLAMA3_8B_H100)))

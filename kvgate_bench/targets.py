@@ -1,0 +1,166 @@
+"""The targets a live comparison runs the workload through: kvgate's gateway (any policy, with
+the compute layer on or off) or a peer router from its own virtualenv, in front of simulated
+backends or a fleet of real vLLM servers."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvgate.public import Config, NginxSettings
+from kvgate.tools.launcher import (
+    Supervisor,
+    free_port,
+    get_json,
+    launch_replica,
+    wait_listening,
+    wait_ready,
+)
+
+from kvgate_bench import levers, virtual
+from kvgate_bench.cpu import wait_quiet
+
+SERVER_NICE = 5  # real fleet: the servers' CPU priority below the router's and the client's
+
+
+CLIENT_NICE = -5  # real fleet: the load generator's
+
+
+PEER_VENV = Path(__file__).resolve().parents[1] / ".bench-venv"  # beside the checkout's .venv
+
+
+KVGATE_POLICIES = ["round_robin", "least_load", "consistent_hash", "prefix", "kvgate"]
+
+
+# ``kvgate:POLICY+VARIANT`` runs the gateway with more of its configuration on (sections merged into
+# its config). ``queue``: the whole compute-scheduling layer as the example config recommends it.
+KVGATE_VARIANTS: dict[str, dict[str, dict[str, Any]]] = {"queue": levers.RECOMMENDED}
+
+
+PEER_TARGETS = [
+    "vllm-router:cache_aware",
+    "vllm-router:consistent_hash",
+    "vllm-router:power_of_two",
+    "sglang-router:cache_aware",
+]
+
+
+# -- targets -------------------------------------------------------------------------------------------
+def ensure_peer_venv() -> Path | None:
+    """The peer routers live in their own virtualenv, never in kvgate's dependencies."""
+    bin_dir = PEER_VENV / "bin"
+    if (bin_dir / "vllm-router").exists() and (bin_dir / "sglang-router").exists():
+        return bin_dir
+    print(f"installing vllm-router and sglang-router into {PEER_VENV}", file=sys.stderr)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True, timeout=300)
+        subprocess.run(
+            [str(bin_dir / "pip"), "install", "-q", "vllm-router", "sglang-router"], check=True, timeout=1200
+        )
+    except (subprocess.SubprocessError, OSError) as exc:
+        print(f"peer routers unavailable ({exc}); skipping them", file=sys.stderr)
+        return None
+    return bin_dir
+
+
+def start_target(
+    sup: Supervisor, target: str, workers: list[str], time_scale: float, peer_cpus: str | None = None
+) -> str:
+    """Start ``target`` in front of ``workers``; returns its base URL once it routes. ``peer_cpus``
+    (a ``taskset`` CPU list) pins a peer router, for a peer that would otherwise starve the
+    simulators of CPU."""
+    kind, _, policy = target.partition(":")
+    port = free_port()
+    if kind == "kvgate":
+        policy, _, variant = policy.partition("+")
+        extra = KVGATE_VARIANTS[variant] if variant else {}
+        redis_port = free_port()
+        sup.start_redis(redis_port)
+        interval = max(50, int(virtual.SCRAPE_INTERVAL_S * 1000 / time_scale))  # as the replay's
+        sock = str(sup.run_dir / "sidecar.sock")
+        cfg: dict[str, Any] = {
+            "listen": {"socket": sock, "http_port": free_port()},
+            "redis": {"url": f"redis://127.0.0.1:{redis_port}/0"},
+            "scrape": {
+                "interval_ms": interval,
+                "timeout_ms": min(interval, 250),
+                "stale_after_ms": 4 * interval,
+            },
+            "routing": {"policy": policy},
+            "backends": [{"id": f"sim-{i}", "url": u} for i, u in enumerate(workers)],
+        }
+        cfg["gateway"] = {"route_headers": True}  # the report counts each backend's share
+        for section, values in extra.items():
+            cfg[section] = {**cfg.get(section, {}), **values}
+        settings = NginxSettings.from_config(
+            Config.from_mapping(cfg, {}),
+            listen=f"127.0.0.1:{port}",
+            run_dir=str(sup.run_dir),
+            workers=2,
+            access_log=True,
+        )
+        (sup.run_dir / "nginx-access.log").unlink(missing_ok=True)  # one run's requests only
+        return launch_replica(sup, "kvgate", cfg, settings).url
+    # Both peers take the same flags; sglang-router needs "launch" and a metrics port of its own.
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", policy]
+    if kind == "vllm-router":
+        argv = [str(PEER_VENV / "bin" / kind), *common]
+    elif kind == "sglang-router":
+        argv = [str(PEER_VENV / "bin" / kind), "launch", *common, "--prometheus-port", str(free_port())]
+    else:
+        raise ValueError(f"unknown target {target}")
+    if peer_cpus:
+        argv = ["taskset", "-c", peer_cpus, *argv]
+    proc = sup.spawn(kind, argv)
+    wait_listening(proc, port=port, timeout=60)
+    url = f"http://127.0.0.1:{port}"
+    # Ready once it lists the workers' model: worker discovery and health checks are done.
+    wait_ready(
+        proc, "it lists the workers' model", lambda: bool(get_json(url + "/v1/models").get("data")), 60
+    )
+    return url
+
+
+@contextlib.contextmanager
+def real_fleet(args: argparse.Namespace, out: Path) -> Iterator[list[str]]:
+    """``compare --real-vllm N``: N real vLLM servers for every run (nothing without the option)."""
+    if not getattr(args, "real_vllm", 0):
+        yield []
+        return
+    from vllm_real.fleet import Fleet, ServerSpec
+
+    # The servers run at a lower CPU priority than the router under test and the load generator: on a
+    # shared host their engines' spinning would otherwise take the cores a router needs to answer in
+    # time. Each run then checks that the router took no more than its share (RunCpu).
+    # The load generator itself goes ahead of everything: its few percent of a core must send each
+    # request on time, or the lateness counts against the router (client send lag).
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, CLIENT_NICE)
+        Path("/proc/self/autogroup").write_text(str(CLIENT_NICE))  # where the kernel groups by session
+    except OSError as exc:  # not permitted: the measurement notes the client's lateness anyway
+        print(f"kvgate-bench: the load generator runs at its own priority ({exc})", file=sys.stderr)
+    sup = Supervisor(
+        out / "run" / "real-vllm", nice={f"vllm-{i}": SERVER_NICE for i in range(args.real_vllm)}
+    )
+    try:
+        # Dev mode: POST /reset_prefix_cache, so that no run starts with another's cache.
+        spec = ServerSpec(dev_mode=True, num_gpu_blocks=getattr(args, "real_blocks", 256))
+        yield Fleet(sup).start([spec] * args.real_vllm)
+    finally:
+        sup.stop_all()
+
+
+def reset_caches(urls: Sequence[str]) -> None:
+    """Each server's prefix cache emptied and its last run's work drained: every run starts cold."""
+    wait_quiet()
+    for url in urls:
+        req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
