@@ -17,7 +17,7 @@ from vllm_sim.profiles import PROFILES, get_profile
 
 
 def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from kvgate_bench import virtual
+    from kvgate_bench import bounds, virtual
 
     reqs = build_workload(args)
     profile = get_profile(args.profile)
@@ -25,9 +25,9 @@ def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
     feats = virtual.features_for(reqs)
     head = report.header(argv)
     for n in args.backends:
-        cached = virtual.pooled_cache_ideal(reqs, n, profile)
+        cached = bounds.pooled_cache_ideal(reqs, n, profile)
         ideal = sum(cached) / max(1, sum(r.prompt_tokens for r in reqs))
-        zero_q = virtual.zero_queue_ttft(reqs, cached, profile)
+        zero_q = bounds.zero_queue_ttft(reqs, cached, profile)
         rows: list[Summary] = []
         cdfs: dict[str, list[float]] = {}
         for speedup in args.speedups:

@@ -36,7 +36,8 @@ from typing import Any
 import redis
 from kvgate.public import Decide, DecisionReply, extract, protocol, read_schedstat
 from kvgate.tools.decision_client import DecisionClient
-from kvgate.tools.launcher import Supervisor, free_port, free_ports, launch_replica
+from kvgate.tools.launcher import Supervisor, launch_replica
+from kvgate.tools.readiness import free_port, free_ports
 
 from kvgate_bench.report import pct, write_json
 from kvgate_bench.workloads import BenchRequest, load_trace

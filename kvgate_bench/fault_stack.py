@@ -13,14 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.public import Config, NginxSettings, hash_key
-from kvgate.tools.launcher import (
-    Replica,
-    Supervisor,
-    free_port,
-    free_ports,
-    get_json,
-    launch_replica,
-)
+from kvgate.tools.launcher import Replica, Supervisor, launch_replica
+from kvgate.tools.readiness import free_port, free_ports, get_json
 
 MODEL = "sim-model"
 

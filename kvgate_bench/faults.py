@@ -28,9 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgate.tools.launcher import (
-    process_tree,
-)
+from kvgate.tools.readiness import process_tree
 
 from kvgate_bench import fuzz, report
 from kvgate_bench.fault_scenarios import (

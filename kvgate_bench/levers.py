@@ -19,7 +19,7 @@ from typing import Any
 
 from kvgate.public import Features, PolicyName
 
-from kvgate_bench import report, virtual
+from kvgate_bench import bounds, report, virtual
 from kvgate_bench.report import Progress, Summary
 from kvgate_bench.workloads import add_workload_args, build_workload
 from vllm_sim.profiles import PROFILES, get_profile
@@ -149,9 +149,9 @@ def main(argv: Sequence[str]) -> int:
         dataclasses.replace(f, priority=-1) if r.rid in urgent else f
         for r, f in zip(reqs, feats, strict=True)
     ]
-    cached = virtual.pooled_cache_ideal(reqs, args.backends, profile)
+    cached = bounds.pooled_cache_ideal(reqs, args.backends, profile)
     ideal = sum(cached) / max(1, sum(r.prompt_tokens for r in reqs))
-    zero_q = virtual.zero_queue_ttft(reqs, cached, profile)
+    zero_q = bounds.zero_queue_ttft(reqs, cached, profile)
     pools_extra, pool_labels = pool_setup(feats, args.backends)
     prefillers = args.prefill_backends or max(1, args.backends // 4)
     pd_labels = [{"role": "prefill" if i < prefillers else "decode"} for i in range(args.backends)]

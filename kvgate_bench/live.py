@@ -19,10 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvgate.tools.launcher import (
-    Supervisor,
-    free_ports,
-)
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_ports
 
 from kvgate_bench import report
 from kvgate_bench.cpu import RunCpu

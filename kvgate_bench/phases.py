@@ -42,7 +42,8 @@ from kvgate.public import (
     find_nginx,
     protocol,
 )
-from kvgate.tools.launcher import Supervisor, free_port, wait_listening
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port, wait_listening
 
 MODEL = "bench-model"
 PHASES_LUA = Path(__file__).resolve().parent / "phases.lua"

@@ -15,14 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.public import Config, NginxSettings
-from kvgate.tools.launcher import (
-    Supervisor,
-    free_port,
-    get_json,
-    launch_replica,
-    wait_listening,
-    wait_ready,
-)
+from kvgate.tools.launcher import Supervisor, launch_replica
+from kvgate.tools.readiness import free_port, get_json, wait_listening, wait_ready
 
 from kvgate_bench import levers, virtual
 from kvgate_bench.cpu import wait_quiet

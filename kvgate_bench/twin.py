@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kvgate.public import PolicyName
 
-from kvgate_bench import report, virtual
+from kvgate_bench import bounds, report, virtual
 from kvgate_bench.live import run_target
 from kvgate_bench.report import Progress, Summary
 from kvgate_bench.workloads import add_workload_args, build_workload
@@ -51,9 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     reqs = build_workload(args)
     profile = get_profile(args.profile)
     feats = virtual.features_for(reqs)
-    cached = virtual.pooled_cache_ideal(reqs, args.backends, profile)
+    cached = bounds.pooled_cache_ideal(reqs, args.backends, profile)
     ideal = sum(cached) / max(1, sum(r.prompt_tokens for r in reqs))
-    zero_q = virtual.zero_queue_ttft(reqs, cached, profile)
+    zero_q = bounds.zero_queue_ttft(reqs, cached, profile)
     out = Path(args.out)
     rows: list[Summary] = []
     lines = [

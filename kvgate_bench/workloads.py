@@ -13,6 +13,9 @@ word = one token) are built on demand, since a whole trace held as text would ta
 * ``reuse``: reuse-rich traffic with a knob (``--reuse``): requests ask about documents (in the
   system prompt) and extend conversation trees about them; a share ``reuse`` of requests returns to
   an earlier document (Zipf popularity) or conversation, the rest bring a new document.
+
+Over 300 lines: every workload the benchmarks name, side by side, so one can be compared with
+another in one read.
 """
 
 from __future__ import annotations

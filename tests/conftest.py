@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvgate.tools.launcher import Supervisor, free_port
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port
 
 MODEL = "sim-model"
 

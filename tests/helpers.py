@@ -9,7 +9,8 @@ from typing import Any
 from kvgate.config import Config
 from kvgate.nginx_conf import NginxSettings
 from kvgate.tools.decision_client import DecisionClient
-from kvgate.tools.launcher import Replica, Supervisor, free_port, free_ports, launch_replica
+from kvgate.tools.launcher import Replica, Supervisor, launch_replica
+from kvgate.tools.readiness import free_port, free_ports
 
 from tests.conftest import MODEL, http_json
 

@@ -21,7 +21,8 @@ from typing import Any
 
 from kvgate import protocol
 from kvgate.nginx_conf import DEBIAN_MODULES, NginxSettings, find_nginx, render, user_directive
-from kvgate.tools.launcher import Supervisor, free_port, get_json, wait_listening, wait_ready
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port, get_json, wait_listening, wait_ready
 
 # A reply (wire JSON without ``pv``), None for silence, or a list of replies and pauses (seconds)
 # sent in order on the connection: a queued request's heartbeats, then its decision.

@@ -12,7 +12,8 @@ import pytest
 from kvgate.config import PolicyName
 
 from kvgate_bench import workloads
-from kvgate_bench.virtual import features_for, pooled_cache_ideal, replay, zero_queue_ttft
+from kvgate_bench.bounds import pooled_cache_ideal, zero_queue_ttft
+from kvgate_bench.virtual import features_for, replay
 from vllm_sim.profiles import LLAMA3_8B_H100
 
 

@@ -11,14 +11,15 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 from kvgate.app import create_app
 from kvgate.config import Config
-from kvgate.tools.launcher import free_ports
+from kvgate.tools.readiness import free_ports
 
 from tests.conftest import MODEL
 from tests.cores import config, run
 from tests.helpers import chat
+from vllm_sim.facts import InstanceConfig
 from vllm_sim.profiles import LLAMA3_8B_H100
 from vllm_sim.request import EngineConfig
-from vllm_sim.server import Instance, InstanceConfig
+from vllm_sim.server import Instance
 
 
 @asynccontextmanager

@@ -14,7 +14,8 @@ from kvgate.app import redis_client
 from kvgate.messages import Outcome
 from kvgate.policies import SessionAction
 from kvgate.redis_batch import PIPELINES
-from kvgate.tools.launcher import Supervisor, free_port
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port
 
 from tests.cores import config, features, ready, run
 from tests.helpers import PATIENT_REDIS

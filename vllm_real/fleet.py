@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvgate.tools.launcher import Supervisor, free_port, wait_ready
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".vllm-venv"

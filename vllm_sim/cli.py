@@ -11,10 +11,11 @@ import sys
 from collections.abc import Sequence
 
 from vllm_sim.calibrate import calibrate, report
+from vllm_sim.facts import KEEP_ALIVE_S, ROLES, VLLM_VERSION, InstanceConfig
 from vllm_sim.faults import Faults
 from vllm_sim.profiles import PROFILES, get_profile
 from vllm_sim.request import EngineConfig, SchedulingPolicy
-from vllm_sim.server import KEEP_ALIVE_S, ROLES, VLLM_VERSION, Instance, InstanceConfig
+from vllm_sim.server import Instance
 
 PROFILE_HELP = (
     f"one of {', '.join(sorted(PROFILES))}, or a calibration's JSON file (python -m vllm_real.calibrate)"

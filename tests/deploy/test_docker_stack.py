@@ -20,7 +20,8 @@ import pytest
 import yaml
 from kvgate.config import hash_key
 from kvgate.nginx_conf import worker_identity
-from kvgate.tools.launcher import Supervisor, free_port, launch_replica
+from kvgate.tools.launcher import Supervisor, launch_replica
+from kvgate.tools.readiness import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import MODEL, require_binary, wait_until

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from kvgate.config import Config, hash_key
 from kvgate.nginx_conf import NginxSettings
-from kvgate.tools.launcher import Supervisor, free_port, launch_replica
+from kvgate.tools.launcher import Supervisor, launch_replica
+from kvgate.tools.readiness import free_port
 
 from tests.conftest import http_json, wait_until
 from tests.e2e.test_auth_limits import call

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from kvgate.config import hash_key
 from kvgate.limits import WINDOW_S
-from kvgate.tools.launcher import Supervisor, free_port
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port
 
 from tests.conftest import MODEL
 from tests.helpers import Gateway, chat, start_backends

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvgate.tools.launcher import Supervisor, free_ports
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_ports
 
 from kvgate_bench import decision_latency
 from kvgate_bench.cli import main

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvgate.tools.launcher import free_port, free_ports
+from kvgate.tools.readiness import free_port, free_ports
 
 from tests.conftest import http_json, wait_until
 
@@ -20,7 +20,7 @@ KVGATE = str(Path(sys.executable).parent / "kvgate")
 
 def pid_listening(port: int) -> int | None:
     """The pid of the process listening on a TCP port of this machine, from /proc."""
-    from kvgate.tools.launcher import _tcp_listen_inodes
+    from kvgate.tools.readiness import _tcp_listen_inodes
 
     inodes = {f"socket:[{i}]" for i in _tcp_listen_inodes(port)}
     for entry in Path("/proc").iterdir():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvgate.tools.launcher import Supervisor, free_port
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port
 
 from tests.conftest import MODEL, http_json, wait_until
 from tests.helpers import Gateway, start_backends

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 from kvgate.nginx_conf import NginxSettings, find_nginx, render
-from kvgate.tools.launcher import Supervisor, free_port, wait_listening, wait_ready
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port, wait_listening, wait_ready
 
 from tests.lua_harness import MockSidecar, backend_server, main_conf_head
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import openai
 import pytest
-from kvgate.tools.launcher import Supervisor, free_port
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port
 
 from tests import scenarios
 from tests.conftest import MODEL, http_json, wait_until

@@ -13,7 +13,8 @@ import time
 from typing import Any
 
 import pytest
-from kvgate.tools.launcher import Supervisor, free_port
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port
 
 from tests.conftest import MODEL, http_json, wait_until
 from tests.helpers import Gateway, chat, inflight, start_backends

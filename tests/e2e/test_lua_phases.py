@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvgate.tools.launcher import Supervisor, free_port
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port
 
 from tests.conftest import http_json, wait_until
 from tests.lua_harness import MockSidecar, PhaseNginx, backend_server, stream_server

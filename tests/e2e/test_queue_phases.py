@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kvgate.tools.launcher import Supervisor, free_port
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port
 
 from tests.conftest import http_json, wait_until
 from tests.e2e.test_lua_phases import CHAT, Phase

@@ -17,7 +17,8 @@ import yaml
 from kvgate.config import BackendSpec, Config, ConfigError
 from kvgate.membership import AddressPolicy
 from kvgate.tools.decision_client import DecisionClient
-from kvgate.tools.launcher import Supervisor, free_port, launch_replica, wait_listening
+from kvgate.tools.launcher import Supervisor, launch_replica
+from kvgate.tools.readiness import free_port, wait_listening
 
 from tests.conftest import http_json, wait_until
 from tests.helpers import PATIENT_REDIS, Gateway, chat, sidecar_config, start_backends, start_sidecar

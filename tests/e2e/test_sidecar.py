@@ -16,7 +16,8 @@ import redis
 from kvgate import protocol
 from kvgate.features import extract
 from kvgate.messages import ErrorCode, ErrorReply, PeersQuery, PeersReply
-from kvgate.tools.launcher import Supervisor, free_port
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import http_json, wait_until

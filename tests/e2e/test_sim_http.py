@@ -14,7 +14,8 @@ from typing import Any
 
 import openai
 import pytest
-from kvgate.tools.launcher import Supervisor, free_ports
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_ports
 
 from tests.conftest import MODEL, http_json, require_binary, wait_until
 
@@ -574,9 +575,10 @@ def test_a_write_that_finds_the_connection_closed_ends_the_handler_as_a_disconne
     from aiohttp.client_exceptions import ClientConnectionResetError
     from aiohttp.test_utils import make_mocked_request
 
+    from vllm_sim.facts import InstanceConfig
     from vllm_sim.profiles import LLAMA3_8B_H100
     from vllm_sim.request import EngineConfig
-    from vllm_sim.server import Instance, InstanceConfig
+    from vllm_sim.server import Instance
 
     inst = Instance(InstanceConfig(MODEL, EngineConfig.from_profile(LLAMA3_8B_H100)))
 

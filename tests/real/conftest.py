@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 from kvgate.config import Config
 from kvgate.nginx_conf import NginxSettings
-from kvgate.tools.launcher import Replica, Supervisor, free_port, launch_replica
+from kvgate.tools.launcher import Replica, Supervisor, launch_replica
+from kvgate.tools.readiness import free_port
 
 from vllm_real.fleet import BLOCK_SIZE, MODEL, Fleet, ServerSpec, service_port
 from vllm_real.fleet import metric as fleet_metric

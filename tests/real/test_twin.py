@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvgate.tools.launcher import Supervisor, free_port
+from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port
 
 from tests.conftest import wait_until
 from tests.real.conftest import BLOCK_SIZE, BLOCKS, MODEL, RealFleet, get_text, post

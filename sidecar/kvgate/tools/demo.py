@@ -21,7 +21,8 @@ from typing import Any
 
 from kvgate.config import Config, ConfigError
 from kvgate.nginx_conf import NginxSettings
-from kvgate.tools.launcher import Supervisor, launch_replica, write_private
+from kvgate.tools.launcher import Supervisor, launch_replica
+from kvgate.tools.readiness import write_private
 
 DEMO_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 REAL_MODEL = "kvgate-tiny"  # what vllm_real's fleet serves
