@@ -56,6 +56,23 @@ def test_a_client_that_leaves_mid_stream_ends_the_engines_request_within_a_secon
     wait_until(lambda: idle(kvgate), timeout=2)
 
 
+def both_serve_again(kvgate: Gateway, tokens: Tokens, victim: int) -> None:
+    """The victim is healthy again and new requests reach both servers; nothing stays in flight."""
+    wait_until(lambda: kvgate.backends()[f"vllm-{victim}"]["state"] == "healthy", timeout=10)
+    served = {
+        kvgate.chat(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": tokens.text(100, 60 + i)}],
+                "max_tokens": 2,
+            }
+        )[1]["X-Kvgate-Backend"]
+        for i in range(12)
+    }
+    assert served == {"vllm-0", "vllm-1"}, served
+    wait_until(lambda: idle(kvgate), timeout=2)
+
+
 def test_a_server_killed_mid_stream_gives_an_error_event_then_others_serve_and_it_is_readmitted(
     fleet: RealFleet, kvgate: Gateway, tokens: Tokens
 ) -> None:
@@ -73,19 +90,7 @@ def test_a_server_killed_mid_stream_gives_an_error_event_then_others_serve_and_i
     finally:
         if fleet.sup.procs.get(fleet.fleet.names[victim]) is None:
             fleet.fleet.restart(victim)  # the next tests need the whole fleet
-    wait_until(lambda: kvgate.backends()[f"vllm-{victim}"]["state"] == "healthy", timeout=10)
-    served = {
-        kvgate.chat(
-            {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": tokens.text(100, 60 + i)}],
-                "max_tokens": 2,
-            }
-        )[1]["X-Kvgate-Backend"]
-        for i in range(12)
-    }
-    assert served == {"vllm-0", "vllm-1"}, served
-    wait_until(lambda: idle(kvgate), timeout=2)
+    both_serve_again(kvgate, tokens, victim)
 
 
 def killed_mid_stream(
@@ -115,19 +120,7 @@ def killed_mid_stream(
     t0 = time.monotonic()
     fleet.fleet.restart(victim)
     print(f"vllm-{victim} restarted in {time.monotonic() - t0:.0f}s")
-    wait_until(lambda: kvgate.backends()[f"vllm-{victim}"]["state"] == "healthy", timeout=10)
-    served = {
-        kvgate.chat(
-            {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": tokens.text(100, 60 + i)}],
-                "max_tokens": 2,
-            }
-        )[1]["X-Kvgate-Backend"]
-        for i in range(12)
-    }
-    assert served == {"vllm-0", "vllm-1"}, served
-    wait_until(lambda: idle(kvgate), timeout=2)
+    both_serve_again(kvgate, tokens, victim)
 
 
 def test_requests_vllm_refuses_come_back_as_vllms_own_errors(
