@@ -44,7 +44,9 @@ def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
                     extra=None if args.learn_tokens else {"tokens": {"learn": False}},
                     frontend_per_token_s=args.frontend_per_token_us * 1e-6,
                 )
-                row = virtual.summarize_run(name, run, ideal, sum(zero_q) / len(zero_q), speedup)
+                row = virtual.summarize_run(
+                    name, run, ideal, sum(zero_q) / len(zero_q), speedup, report.Slo.from_args(args)
+                )
                 rows.append(row)
                 if speedup == args.speedups[0]:
                     cdfs[name] = [r.ttft for r in run.results]

@@ -177,7 +177,12 @@ def main(argv: Sequence[str]) -> int:
                 labels=labels,
             )
             row = virtual.summarize_run(
-                f"{name} x{speedup:g}", run, ideal, sum(zero_q) / len(zero_q), speedup
+                f"{name} x{speedup:g}",
+                run,
+                ideal,
+                sum(zero_q) / len(zero_q),
+                speedup,
+                report.Slo.from_args(args),
             )
             row = dataclasses.replace(row, errors=run.rejected)
             rows.append(row)
@@ -185,7 +190,7 @@ def main(argv: Sequence[str]) -> int:
             line = (
                 f"{name:16} x{speedup:<4g} TTFT mean {row.ttft_mean:7.3f}s ({row.ttft_mean / base:.2f}x) "
                 f"p50 {row.ttft_p50:.3f} p90 {row.ttft_p90:.3f} p99 {row.ttft_p99:.3f} "
-                f"hit {row.hit_rate:.1%} rejected {run.rejected}"
+                f"hit {row.hit_rate:.1%} rejected {run.rejected} SLO met {row.slo_met:.1%}"
             )
             if run.queue_waits:  # over every request: one that never waited counts as 0
                 waits = sorted(run.queue_waits)

@@ -53,6 +53,7 @@ def summarize_live(
     speedup: float,
     gateway: Sequence[float] = (),
     cpu: RunCpu | None = None,
+    slo: report.Slo = report.DEFAULT_SLO,
     **extra: Any,
 ) -> Summary:
     s = time_scale
@@ -94,6 +95,7 @@ def summarize_live(
         run.makespan_wall * s,
         hits / queries if queries else 0.0,
         prefill,
+        slo,
         speedup=speedup,
         valid=not problems,
         note=note,
@@ -147,7 +149,7 @@ def run_target(
         gw = gateway_ttfts(sup.run_dir / "nginx-access.log")
     finally:
         sup.stop_all()
-    row = summarize_live(target, lr, args.time_scale, speedup, gw, cpu)
+    row = summarize_live(target, lr, args.time_scale, speedup, gw, cpu, report.Slo.from_args(args))
     gw_note = (
         f"(gateway p50 {row.gateway_ttft_p50:.3f}s vs client {row.ttft_p50:.3f}s) "
         if row.gateway_ttft_p50 is not None
@@ -223,7 +225,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if any(not s.ok for s in lr.samples):
             print(f"errors: {errors_by_reason(lr.samples)}", file=sys.stderr)
         gw = gateway_ttfts(args.gateway_log) if args.gateway_log else []
-        row = summarize_live(args.target, lr, args.time_scale, args.speedup, gw)
+        row = summarize_live(
+            args.target, lr, args.time_scale, args.speedup, gw, slo=report.Slo.from_args(args)
+        )
         path = report.write(
             Path(args.out),
             f"live, {args.workload}",

@@ -1,7 +1,9 @@
-"""Summaries and reports: per-target statistics, Markdown + JSON, and PNG plots."""
+"""Summaries and reports: per-target statistics (goodput at an SLO among them), Markdown + JSON;
+the plots are ``kvgate_bench.plots``."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -12,6 +14,8 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from kvgate_bench.plots import plot_cdf, plot_sweep
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +31,43 @@ class Sample:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str = ""  # why it failed, for the report (an HTTP status and the server's message)
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """A service-level objective a request meets or misses: its first token within ``ttft_s`` and a
+    mean gap between later tokens within ``itl_s`` (a one-token answer has no gap). Defaults: an
+    interactive chat's, 1 s to the first token and 100 ms per token after it (faster than a reader),
+    as the goodput literature sets them for chat. Seconds are the report's (simulated ones in
+    virtual and scaled runs)."""
+
+    ttft_s: float = 1.0
+    itl_s: float = 0.1
+
+    def met(self, s: Sample) -> bool:
+        return s.ok and s.ttft <= self.ttft_s and (s.itl is None or s.itl <= self.itl_s)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Slo:
+        return cls(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0)
+
+
+DEFAULT_SLO, SHED = Slo(), "429"  # SHED: how a request the gateway refused (429) is named
+
+
+def add_slo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=DEFAULT_SLO.ttft_s * 1000,
+        help="goodput: a request meets its objective with its first token within this (default 1000)",
+    )
+    p.add_argument(
+        "--slo-itl-ms",
+        type=float,
+        default=DEFAULT_SLO.itl_s * 1000,
+        help="goodput: ... and a mean gap between later tokens within this (default 100)",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +88,11 @@ class Summary:
     zero_queue_ttft: float | None = None
     gateway_ttft_p50: float | None = None  # kvgate's own measure (first body byte at Nginx), live runs
     gateway_ttft_mean: float | None = None
+    # Requests per second that met the SLO, the share of all requests that did (shed and failed ones
+    # miss it), and the share the gateway shed (refused with 429).
+    goodput_rps: float = float("nan")
+    slo_met: float = float("nan")
+    shed_rate: float = 0.0
     speedup: float = 1.0
     valid: bool = True
     note: str = ""
@@ -65,9 +111,15 @@ def summarize(
     makespan: float,
     hit_rate: float,
     prefill_per_backend: Mapping[str, float],
+    slo: Slo = DEFAULT_SLO,
+    shed_apart: int = 0,
     **extra: Any,
 ) -> Summary:
+    """``shed_apart``: requests the gateway refused that are not among ``samples`` (virtual runs)."""
     ok = [s for s in samples if s.ok]
+    total = len(samples) + shed_apart
+    shed = shed_apart + sum(1 for s in samples if s.error.startswith(SHED))
+    good = sum(1 for s in samples if slo.met(s))
     ttfts = [s.ttft for s in ok]
     itls = [s.itl for s in ok if s.itl is not None]
     loads = [v for v in prefill_per_backend.values()]
@@ -87,6 +139,9 @@ def summarize(
         throughput_tok_s=sum(s.output_tokens for s in ok) / makespan if makespan > 0 else float("nan"),
         hit_rate=hit_rate,
         imbalance=imbalance,
+        goodput_rps=good / makespan if makespan > 0 else float("nan"),
+        slo_met=good / total if total else float("nan"),
+        shed_rate=shed / total if total else 0.0,
         **extra,
     )
 
@@ -138,6 +193,9 @@ COLUMNS = [
     ("itl_mean", "ITL mean ms", "{:.1f}"),
     ("e2e_p99", "e2e p99 s", "{:.2f}"),
     ("throughput_tok_s", "tok/s", "{:.0f}"),
+    ("goodput_rps", "goodput req/s", "{:.2f}"),
+    ("slo_met", "SLO met", "{:.1%}"),
+    ("shed_rate", "shed", "{:.1%}"),
     ("hit_rate", "hit rate", "{:.1%}"),
     ("ideal_hit_rate", "pooled ideal", "{:.1%}"),
     ("imbalance", "imbalance", "{:.2f}"),
@@ -220,49 +278,6 @@ def write(
     path = out_dir / "report.md"
     path.write_text("\n".join(md) + "\n")
     return path
-
-
-def plot_cdf(path: Path, cdfs: Mapping[str, Sequence[float]], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, values in cdfs.items():
-        s = sorted(values)
-        if s:
-            ax.plot(s, [(i + 1) / len(s) for i in range(len(s))], label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(f"TTFT CDF — {title}")
-    ax.grid(True, alpha=0.3)
-    if any(cdfs.values()):  # a run whose every request failed has no curve to name
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_sweep(path: Path, sweep: Mapping[str, Sequence[tuple[float, float]]], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, points in sweep.items():
-        pts = sorted(points)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    ax.set_xlabel("arrival speed-up (x trace rate)")
-    ax.set_ylabel("mean TTFT (s)")
-    ax.set_title(f"Mean TTFT versus arrival rate — {title}")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 class Progress:

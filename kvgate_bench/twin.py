@@ -78,7 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     scrape_phase=phase,
                     progress=Progress(label),
                 )
-                v = virtual.summarize_run(label, run, ideal, sum(zero_q) / len(zero_q), speedup)
+                v = virtual.summarize_run(
+                    label, run, ideal, sum(zero_q) / len(zero_q), speedup, report.Slo.from_args(args)
+                )
                 replays.append(v)
                 rows.append(v)
                 print(

@@ -35,7 +35,7 @@ from kvgate.public import (
     extract,
 )
 
-from kvgate_bench.report import Sample, Summary, summarize
+from kvgate_bench.report import DEFAULT_SLO, Sample, Slo, Summary, summarize
 from kvgate_bench.workloads import BenchRequest
 from vllm_sim.engine import Engine
 from vllm_sim.profiles import Profile
@@ -333,8 +333,11 @@ def replay(
     return run
 
 
-def summarize_run(name: str, run: Run, ideal: float, zero_queue: float, speedup: float) -> Summary:
-    """A replay's figures in the form every report uses."""
+def summarize_run(
+    name: str, run: Run, ideal: float, zero_queue: float, speedup: float, slo: Slo = DEFAULT_SLO
+) -> Summary:
+    """A replay's figures in the form every report uses (the requests the gateway refused count as
+    shed)."""
     samples = [
         Sample(r.ttft, r.itl, r.e2e, r.output_tokens, True, r.backend, r.prompt_tokens, r.cached_tokens)
         for r in run.results
@@ -351,6 +354,8 @@ def summarize_run(name: str, run: Run, ideal: float, zero_queue: float, speedup:
         makespan,
         hit,
         prefill,
+        slo,
+        run.rejected,
         ideal_hit_rate=ideal,
         zero_queue_ttft=zero_queue,
         speedup=speedup,

@@ -30,6 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from kvgate_bench import report
 from vllm_real import vocabulary
 from vllm_sim import tokenizer
 
@@ -306,6 +307,7 @@ def reuse_rich(
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
+    report.add_slo_args(p)  # every command that runs a workload reports goodput at an SLO
     p.add_argument(
         "--workload", choices=["trace", "chat", "chat-sessions", "mixed", "reuse"], default="trace"
     )
