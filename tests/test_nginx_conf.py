@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from dataclasses import fields
 from pathlib import Path
 
@@ -54,3 +55,22 @@ def test_the_configure_call_carries_each_setting_under_its_own_name(tmp_path: Pa
 def test_lua_literals_cannot_break_out_of_their_string() -> None:
     assert lua_literal('X-"a"\\') == '"X-\\"a\\"\\\\"'
     assert lua_literal(False) == "false" and lua_literal(3) == "3"
+
+
+def test_a_setting_never_configured_fails_loudly_at_its_first_use() -> None:
+    """conf.lua holds no defaults: a hand-written configure() that misses a setting must not turn
+    into nil arithmetic later. Run with the plain Lua interpreter luacheck brings (conf.lua is pure
+    Lua), as Nginx's init_by_lua would load it."""
+    script = (
+        f'package.path = "{ROOT}/lua/?.lua;" .. package.path\n'
+        'local conf = require("kvgate.conf")\n'
+        "conf.configure({ decision_timeout_ms = 40 })\n"
+        "assert(conf.decision_timeout_ms == 40 and conf.dict == 'kvgate')\n"
+        "local ok, err = pcall(function() return conf.session_header end)\n"
+        "assert(not ok and err:find('setting session_header was not configured', 1, true), err)\n"
+        "local ok2, err2 = pcall(conf.configure, { dict = 'other' })\n"
+        "assert(not ok2 and err2:find('dict is not a setting', 1, true), err2)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(["lua", "-"], input=script, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

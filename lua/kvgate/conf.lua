@@ -4,9 +4,10 @@
 -- `kvgate render-nginx` writes the configure() call with every one of them. A test checks that each
 -- conf.<name> the Lua reads is either rendered or one of the constants below.
 
-local pairs     = pairs
-local error     = error
-local tostring  = tostring
+local pairs        = pairs
+local error        = error
+local tostring     = tostring
+local setmetatable = setmetatable
 
 local _M = {
     -- Nginx's own constants, not settings of the config.
@@ -20,7 +21,7 @@ for k in pairs(_M) do
     constants[k] = true
 end
 
--- A setting given twice or over a constant is a rendering error: it fails at startup.
+-- A setting over a constant is a rendering error: it fails at startup.
 function _M.configure(opts)
     for k, v in pairs(opts) do
         if constants[k] or k == "configure" then
@@ -29,5 +30,11 @@ function _M.configure(opts)
         _M[k] = v
     end
 end
+
+-- A setting read and never configured (a hand-written configure() call that misses one) fails
+-- loudly at its first use rather than as nil arithmetic somewhere later.
+setmetatable(_M, { __index = function(_, k)
+    error("kvgate: setting " .. tostring(k) .. " was not configured; render Nginx with kvgate render-nginx", 2)
+end })
 
 return _M
