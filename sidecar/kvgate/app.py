@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from kvgate.config import Config
 from kvgate.decision_socket import DecisionServer
