@@ -34,7 +34,7 @@ def gateway_settings(config: Config) -> dict[str, Any]:
     return {
         "session_header": config.routing.session_header,
         "max_tries": config.routing.max_candidates,
-        "retry_statuses": list(g.retry_statuses),
+        "retry_statuses": g.retry_statuses,
         "route_headers": g.route_headers,
         "decision_timeout_ms": g.decision_timeout_ms,
         "first_byte_timeout_ms": g.first_byte_timeout_ms,
@@ -44,7 +44,7 @@ def gateway_settings(config: Config) -> dict[str, Any]:
         "client_max_body_size": g.client_max_body_size,
         "worker_user": g.worker_user,
         "auth": config.auth.enabled,
-        "open_routes": list(config.auth.open_routes),
+        "open_routes": config.auth.open_routes,
         "limits": config.limited,
         "queue": config.queue.enabled,
         "queue_heartbeat_ms": round(config.queue.heartbeat_s * 1000),

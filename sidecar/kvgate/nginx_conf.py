@@ -36,8 +36,7 @@ _TAKEN = gateway_settings(Config())  # a default config's: each default is decla
 
 def _taken(name: str, lua: bool = True) -> Any:
     """A setting Nginx takes from the kvgate config (``kvgate.agreement.gateway_settings``)."""
-    default = _TAKEN[name]
-    return field(default=tuple(default) if isinstance(default, list) else default, metadata={LUA: lua})
+    return field(default=_TAKEN[name], metadata={LUA: lua})
 
 
 def _lua(default: Any) -> Any:
@@ -89,15 +88,11 @@ class NginxSettings:
     @classmethod
     def from_config(cls, config: Config, **overrides: Any) -> NginxSettings:
         """The settings a kvgate config asks for (its gateway section, the socket, the session header)."""
-        taken = {**gateway_settings(config), **overrides}
+        own = gateway_settings(config)
+        taken = {**own, **overrides}
         # What this Nginx will run, overrides included: a setting changed here is a mismatch too.
-        runs = {k: taken[k] for k in gateway_settings(config)}
-        runs["retry_statuses"] = list(runs["retry_statuses"])
-        runs["open_routes"] = list(runs["open_routes"])
-        values = {"socket": config.listen.socket, **taken, "fingerprint": fingerprint(runs)}
-        values["retry_statuses"] = tuple(values["retry_statuses"])
-        values["open_routes"] = tuple(values["open_routes"])
-        return cls(**values)
+        runs = fingerprint({k: taken[k] for k in own})
+        return cls(**{"socket": config.listen.socket, **taken, "fingerprint": runs})
 
 
 def lua_literal(value: Any) -> str:
