@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from kvgate.tools.readiness import free_ports
 
 from kvgate_bench import report
 from kvgate_bench.cpu import RunCpu
-from kvgate_bench.report import Progress, Sample, Summary
+from kvgate_bench.report import Progress, Summary
 from kvgate_bench.stream_client import (
     LiveRun,
     errors_by_reason,
@@ -58,15 +59,7 @@ def summarize_live(
 ) -> Summary:
     s = time_scale
     scaled = [
-        Sample(
-            x.ttft * s,
-            None if x.itl is None else x.itl * s,
-            x.e2e * s,
-            x.output_tokens,
-            x.ok,
-            x.backend,
-            x.prompt_tokens,
-        )
+        replace(x, ttft=x.ttft * s, itl=None if x.itl is None else x.itl * s, e2e=x.e2e * s)
         for x in run.samples
     ]
     d = run.backend_deltas

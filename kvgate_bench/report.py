@@ -52,7 +52,15 @@ class Slo:
         return cls(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0)
 
 
-DEFAULT_SLO, SHED = Slo(), "429"  # SHED: how a request the gateway refused (429) is named
+DEFAULT_SLO = Slo()
+
+
+def http_error(status: int, message: str) -> str:
+    """A failed request's ``Sample.error``: the status and the server's own message."""
+    return f"HTTP {status}: {message}"[:200]
+
+
+SHED = http_error(429, "")  # how a request the gateway refused starts its error
 
 
 def add_slo_args(p: argparse.ArgumentParser) -> None:

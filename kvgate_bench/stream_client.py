@@ -54,7 +54,7 @@ def _reason(status: int, body: bytes) -> str:
         message = str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         message = body[:120].decode(errors="replace")
-    return f"HTTP {status}: {message}"[:200]
+    return report.http_error(status, message)
 
 
 def errors_by_reason(samples: Sequence[Sample]) -> str:
