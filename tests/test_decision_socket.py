@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from kvgate import protocol
@@ -12,6 +13,15 @@ from kvgate.decision_socket import DecisionServer
 from kvgate.messages import Decide, DecisionReply, ErrorCode, ErrorReply, ModelsQuery, Outcome, Report
 
 from tests.cores import core, features, run
+
+
+async def settled(done: Callable[[], bool], timeout: float = 1.0) -> bool:
+    """Whether ``done`` holds within ``timeout`` (the server works on its own tasks meanwhile)."""
+    for _ in range(int(timeout / 0.01)):
+        if done():
+            return True
+        await asyncio.sleep(0.01)
+    return done()
 
 
 def test_decisions_errors_and_reports_on_one_connection(tmp_path: Path) -> None:
@@ -41,18 +51,10 @@ def test_decisions_errors_and_reports_on_one_connection(tmp_path: Path) -> None:
         end = Outcome.end("d1", reply.candidates[0].id, 200)
         writer.write(protocol.line(protocol.encode_message(Report((end,)))))  # no answer to a report
         await writer.drain()
-        for _ in range(100):
-            if len(sc.registry.ledger) == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert len(sc.registry.ledger) == 0
+        assert await settled(lambda: len(sc.registry.ledger) == 0)
         writer.close()
         await writer.wait_closed()
-        for _ in range(100):
-            if server.connections == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert server.connections == 0
+        assert await settled(lambda: server.connections == 0)
         await server.stop()
 
     run(go())
