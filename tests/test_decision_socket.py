@@ -15,9 +15,9 @@ from kvgate.messages import Decide, DecisionReply, ErrorCode, ErrorReply, Models
 from tests.cores import core, features, run
 
 
-async def settled(done: Callable[[], bool], timeout: float = 1.0) -> bool:
-    """Whether ``done`` holds within ``timeout`` (the server works on its own tasks meanwhile)."""
-    for _ in range(int(timeout / 0.01)):
+async def settled(done: Callable[[], bool]) -> bool:
+    """Whether ``done`` holds within a second (the server works on its own tasks meanwhile)."""
+    for _ in range(100):
         if done():
             return True
         await asyncio.sleep(0.01)
