@@ -1,5 +1,8 @@
 """Summaries and reports: per-target statistics (goodput at an SLO among them), Markdown + JSON;
-the plots are ``kvgate_bench.plots``."""
+the plots are ``kvgate_bench.plots``.
+
+Over 300 lines: a sample, the objective it meets, the summary of many and the tables and files that
+show them are one vocabulary every benchmark shares, read together."""
 
 from __future__ import annotations
 
