@@ -63,6 +63,15 @@ def _serve_parser() -> argparse.ArgumentParser:
         default=200_000.0,
         help="speed of a decode instance's KV read from its prefiller, in prompt tokens per second",
     )
+    k = p.add_argument_group("KV-cache events (vLLM's --kv-events-config)")
+    k.add_argument("--kv-events-port", type=int, help="publish on tcp://HOST:PORT (instance i: PORT+i)")
+    k.add_argument("--kv-events-replay-port", type=int, help="serve replays on this port (instance i: +i)")
+    k.add_argument(
+        "--kv-events-encoding",
+        choices=["map", "array"],
+        default="map",
+        help="map: type-tagged events (vLLM 0.32); array: positional events (older vLLM)",
+    )
     f = p.add_argument_group("fault injection (also settable at run time: POST /sim/faults)")
     f.add_argument("--fault-unhealthy", action="store_true")
     f.add_argument("--fault-latency-ms", type=float, default=0.0)
@@ -116,6 +125,11 @@ def _configs(args: argparse.Namespace) -> list[InstanceConfig]:
                 keep_alive_s=args.keep_alive_s,
                 role=roles[i % len(roles)],
                 kv_transfer_tokens_per_s=args.kv_transfer_tokens_per_s,
+                kv_events_port=None if args.kv_events_port is None else args.kv_events_port + i,
+                kv_events_replay_port=(
+                    None if args.kv_events_replay_port is None else args.kv_events_replay_port + i
+                ),
+                kv_events_encoding=args.kv_events_encoding,
             )
         )
     return out

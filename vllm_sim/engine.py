@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import mmh3
 
 from vllm_sim import tokenizer
-from vllm_sim.kv_cache import NONE_HASH, BlockPool, block_hashes
+from vllm_sim.kv_cache import BlockPool, block_hashes
 from vllm_sim.request import (
     Counters,
     EngineConfig,
@@ -51,12 +51,7 @@ class Engine:
             raise ValueError("prompt must contain at least one token")
         req.seq = next(self._seq)
         req.tokens = list(req.prompt_ids)
-        req.root_hash = (
-            NONE_HASH
-            if req.cache_salt is None
-            else mmh3.hash64(tokenizer.utf8(req.cache_salt), signed=True)[0]
-        )
-        req.hashes = block_hashes(req.tokens, parent=req.root_hash, block_size=self.block_size)
+        req.hashes = block_hashes(req.tokens, block_size=self.block_size, salt=req.cache_salt)
         req.output_len = self._output_len(req)
         req.output_words = tokenizer.output_words(self._request_seed(req), req.output_len)
         self.by_id[req.request_id] = req
@@ -241,10 +236,19 @@ class Engine:
         if full <= req.num_registered:
             return
         if len(req.hashes) < full:
-            parent = req.hashes[-1] if req.hashes else req.root_hash
-            req.hashes.extend(block_hashes(req.tokens[: full * bs], len(req.hashes), parent, bs))
-        for b in range(req.num_registered, full):
+            parent = req.hashes[-1] if req.hashes else None
+            req.hashes.extend(
+                block_hashes(req.tokens[: full * bs], len(req.hashes), parent, bs, req.cache_salt)
+            )
+        first = req.num_registered
+        for b in range(first, full):
             self.pool.cache_block(req.blocks[b], req.hashes[b])
+        self.pool.stored(
+            req.hashes[first:full],
+            req.hashes[first - 1] if first else None,
+            req.tokens[first * bs : full * bs],
+            bs,
+        )
         req.num_registered = full
 
     def _finish(self, req: Request, now: float, reason: str) -> None:

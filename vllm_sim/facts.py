@@ -20,6 +20,7 @@ from aiohttp import web
 from vllm_sim import apis, protocol, tokenizer
 from vllm_sim.engine import Engine
 from vllm_sim.faults import Faults
+from vllm_sim.kv_publisher import KvPublisher
 from vllm_sim.metrics import CONTENT_TYPE, InstanceMetrics
 from vllm_sim.realtime import EngineLoop
 from vllm_sim.request import EngineConfig
@@ -46,6 +47,11 @@ class InstanceConfig:
     # KV-cache transfer speed from a prefiller, in prompt tokens per second (Llama-3.1-8B holds
     # 128 KiB of KV per token: 200,000 tokens/s is ~26 GB/s, an RDMA link at 200 Gb/s).
     kv_transfer_tokens_per_s: float = 200_000.0
+    # KV-cache events (vLLM's --kv-events-config): the publisher's port, its replay port, and the
+    # encoding ("map": vLLM 0.32's type-tagged events; "array": older vLLM's positional ones).
+    kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
+    kv_events_encoding: str = "map"
 
 
 ROLES = ("both", "prefill", "decode")
@@ -81,6 +87,7 @@ class ServerBase:
         self.responses_store = apis.ResponseStore()
         self.engine_id = uuid.uuid4().hex  # names this instance's KV blocks to decoders
         self.address = ("127.0.0.1", 0)
+        self.kv_publisher: KvPublisher | None = None
 
     def _lag(self) -> tuple[float, float, float]:
         if self.loop is None:
@@ -88,14 +95,33 @@ class ServerBase:
         return self.loop.step_lag(), self.loop.total_lag_s, self.loop.total_step_s
 
     async def _engine_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        self.loop = EngineLoop(self.engine, self.config.time_scale)
-        task = asyncio.create_task(self.loop.run(), name=f"engine-{self.config.model}")
+        cfg = self.config
+        publish = None
+        if cfg.kv_events_port is not None:
+            self.kv_publisher = KvPublisher(
+                self.address[0],
+                cfg.kv_events_port,
+                cfg.kv_events_replay_port,
+                encoding=cfg.kv_events_encoding,
+            )
+            self.kv_publisher.start()
+            self.engine.pool.take_events()  # from now on the pool records its events
+            pool, publisher = self.engine.pool, self.kv_publisher
+
+            def publish() -> None:
+                publisher.publish(pool.take_events())
+
+        self.loop = EngineLoop(self.engine, cfg.time_scale, publish)
+        task = asyncio.create_task(self.loop.run(), name=f"engine-{cfg.model}")
         yield
         task.cancel()
+        if self.kv_publisher is not None:
+            await self.kv_publisher.close()
         if self._reopen:
             self._reopen.cancel()
 
     async def start(self, host: str, port: int) -> None:
+        self.address = (host, port)  # the KV-event publisher binds on this host while the app starts
         self.runner = web.AppRunner(
             self.app(),
             access_log=None,

@@ -4,7 +4,12 @@
   is vLLM's null block, so ``num_gpu_blocks - 1`` are usable
   and usage is ``1 - free / (num_gpu_blocks - 1)``.
 * A full block's hash chains its parent's hash and its token ids, so it identifies the whole prefix.
-  Only full blocks are hashed and cached.
+  Only full blocks are hashed and cached. The hash is vLLM's default (``sha256``: SHA-256 of the
+  pickled ``(parent digest, token ids, extra keys)``, the first block's parent a fixed digest), so a
+  router that computes vLLM's hashes from token ids finds the simulator's blocks too.
+* ``take_events`` hands out what changed since the last call, as vLLM's ``BlockPool.take_events``
+  does for its KV-event publisher: blocks stored (one event per request per step), blocks evicted
+  (lazily, when a free cached block is reused), every block cleared (a prefix-cache reset).
 * Freed blocks keep their hash and go to the tail of an LRU free queue (a request's blocks in reverse
   order, so its tail blocks, the longest prefixes, are evicted first). A hit on a free block takes it
   back out of the queue. Allocation pops from the head and evicts the hash it still carries.
@@ -12,28 +17,63 @@
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 BLOCK_SIZE = 16  # vLLM's default on GPUs; a profile may set its own (128 on CPU)
-NONE_HASH = 0  # parent hash of the first block; cache_salt is mixed in by the caller
+# The first block's parent: vLLM's NONE_HASH when PYTHONHASHSEED is unset (measured on vLLM 0.32).
+NONE_HASH = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
 
 
 def block_hashes(
-    tokens: Sequence[int], start: int = 0, parent: int | None = None, block_size: int = BLOCK_SIZE
-) -> list[int]:
-    """Chained hashes of the full blocks of ``tokens`` from block index ``start`` on.
+    tokens: Sequence[int],
+    start: int = 0,
+    parent: bytes | None = None,
+    block_size: int = BLOCK_SIZE,
+    salt: str | None = None,
+) -> list[bytes]:
+    """Chained hashes (SHA-256 digests) of the full blocks of ``tokens`` from block ``start`` on.
 
-    ``parent`` is the hash of block ``start - 1`` (or the salted root hash when ``start == 0``).
-    Python's hash of a tuple of ints is deterministic across processes, unlike a hash of str.
-    """
-    out: list[int] = []
+    ``parent`` is the digest of block ``start - 1`` (NONE_HASH when ``start == 0``); a request's
+    ``cache_salt`` is the first block's extra key, as in vLLM, so salted prompts share nothing."""
+    out: list[bytes] = []
     h = NONE_HASH if parent is None else parent
     n_full = len(tokens) // block_size
     for i in range(start, n_full):
-        h = hash((h, tuple(tokens[i * block_size : (i + 1) * block_size])))
+        extra = (salt,) if i == 0 and salt is not None else None
+        block = tuple(tokens[i * block_size : (i + 1) * block_size])
+        h = hashlib.sha256(pickle.dumps((h, block, extra), protocol=5)).digest()
         out.append(h)
     return out
+
+
+def event_hash(digest: bytes) -> int:
+    """A block hash as vLLM's KV events carry it: the digest's low 64 bits, big-endian."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    hashes: tuple[int, ...]
+    parent: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    pass
+
+
+KvEvent = Stored | Removed | Cleared
 
 
 class BlockPool:
@@ -45,11 +85,17 @@ class BlockPool:
         self.num_gpu_blocks = num_gpu_blocks
         self.usable = num_gpu_blocks - 1
         self.ref_cnt = [0] * num_gpu_blocks
-        self.block_hash: list[int | None] = [None] * num_gpu_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.block_hash: list[bytes | None] = [None] * num_gpu_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block id
         # Insertion order is LRU order: the head is evicted first. Block 0 is the null block.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_gpu_blocks))
         self.evictions = 0
+        self.events: list[KvEvent] | None = None  # a list once a publisher wants them
+
+    def take_events(self) -> list[KvEvent]:
+        """The events since the last call (none until the first call: nobody listened before)."""
+        out, self.events = self.events or [], []
+        return out
 
     @property
     def num_free(self) -> int:
@@ -58,7 +104,7 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - len(self.free) / self.usable
 
-    def lookup(self, hashes: Sequence[int], max_blocks: int) -> list[int]:
+    def lookup(self, hashes: Sequence[bytes], max_blocks: int) -> list[int]:
         """Block ids of the longest cached prefix of ``hashes``, at most ``max_blocks`` long."""
         hit: list[int] = []
         for h in hashes[:max_blocks]:
@@ -89,12 +135,22 @@ class BlockPool:
                 self.evictions += 1
                 if self.cached.get(h) == b:
                     del self.cached[h]
+                if self.events is not None:
+                    self.events.append(Removed((event_hash(h),)))
                 self.block_hash[b] = None
             self.ref_cnt[b] = 1
             out.append(b)
         return out
 
-    def cache_block(self, block: int, h: int) -> None:
+    def stored(self, hashes: Sequence[bytes], parent: bytes | None, tokens: Sequence[int], size: int) -> None:
+        """Report blocks that became full and cached in one step of one request."""
+        if self.events is not None and hashes:
+            ids = tuple(event_hash(h) for h in hashes)
+            self.events.append(
+                Stored(ids, None if parent is None else event_hash(parent), tuple(tokens), size)
+            )
+
+    def cache_block(self, block: int, h: bytes) -> None:
         """Record that ``block`` is full and holds the prefix identified by ``h``."""
         self.block_hash[block] = h
         # An identical block may already be cached (two requests prefilled the same prefix at once);
@@ -114,4 +170,6 @@ class BlockPool:
             return False
         self.cached.clear()
         self.block_hash = [None] * self.num_gpu_blocks
+        if self.events is not None:
+            self.events.append(Cleared())
         return True

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 
 from vllm_sim.engine import Engine
 from vllm_sim.request import Request, TokenEvent
@@ -25,10 +26,14 @@ INTERNAL_ERROR = "internal"  # event reason for requests failed by an engine fau
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, time_scale: float = 1.0) -> None:
+    def __init__(
+        self, engine: Engine, time_scale: float = 1.0, after_step: Callable[[], None] | None = None
+    ) -> None:
+        """``after_step``: called as each step ends (the KV-event publisher sends its events)."""
         if time_scale <= 0:
             raise ValueError("time_scale must be positive")
         self.engine = engine
+        self.after_step = after_step
         self.time_scale = time_scale
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._wake = asyncio.Event()
@@ -116,6 +121,8 @@ class EngineLoop:
             self.steps += 1
             self.total_step_s += result.duration / self.time_scale
             sched_end = end_wall
+            if self.after_step is not None:
+                self.after_step()
             if not self.engine.has_work():
                 self.total_lag_s += max(0.0, done - end_wall)
             for event in result.events:

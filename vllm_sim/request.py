@@ -66,8 +66,7 @@ class Request:
     output_len: int = 0
     output_words: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # prompt + generated ids
-    hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks of ``tokens``
-    root_hash: int = 0  # parent of the first block: NONE_HASH, or derived from cache_salt
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks of ``tokens``
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_registered: int = 0  # leading blocks already recorded in the prefix-cache index
