@@ -6,6 +6,8 @@ import asyncio
 
 from kvgate.config import PolicyName
 from kvgate.features import Features
+from kvgate.kv_events import BlockStored, EventBatch
+from kvgate.kv_hashes import chain
 from kvgate.planner import Plan
 from kvgate.sidecar import Sidecar
 
@@ -60,3 +62,30 @@ def test_disaggregated_the_candidates_are_decoders_and_the_prefill_leg_rides_alo
     routed = sc.service.planner.routed("d1", PolicyName.KVGATE, p, 0)
     assert [c.id for c in routed.prefill] == ["b0"] and {c.id for c in routed.candidates} == {"b1", "b2"}
     assert routed.label.startswith("pd/") and len(routed.first_byte_ms) == len(routed.candidates)
+
+
+def exact_feats(tokens: list[int]) -> Features:
+    return Features(MODEL, None, "none", (), len(tokens) * 4, token_ids=tuple(tokens))
+
+
+def test_the_exact_index_sends_a_prompt_to_the_backend_whose_events_say_it_holds_it() -> None:
+    sc = core(n=3)
+    tokens = list(range(4_000))
+    held = chain(tokens, 16)
+    sc.exact.apply("b0", 0, EventBatch(0.0, (BlockStored(tuple(held[:10]), None, 16),), 0))
+    sc.exact.apply("b1", 0, EventBatch(0.0, (BlockStored(tuple(held[:200]), None, 16),), 0))
+    sc.exact.apply("b2", 0, EventBatch(0.0, (), 0))  # a stream, nothing stored: block size unknown
+    p = plan(sc, exact_feats(tokens))
+    assert p.decision.candidates[0] == "b1"
+    assert p.req.prefix_depth["b1"] == 200 * 16 * 4 // 512 and p.req.prefix_depth["b0"] == 10 * 16 * 4 // 512
+    assert "b2" not in p.req.prefix_depth  # no view of it: the approximate index speaks for it
+    # Without token ids the same request is looked up approximately, and nothing is known.
+    assert plan(sc, Features(MODEL, None, "none", (), 16_000)).req.prefix_depth == {}
+
+
+def test_a_partial_view_takes_the_deeper_of_the_two_indexes() -> None:
+    sc = core(n=2)
+    tokens = list(range(4_000))
+    sc.exact.apply("b0", 7, EventBatch(0.0, (BlockStored(tuple(chain(tokens, 16)[:5]), None, 16),), 0))
+    p = plan(sc, exact_feats(tokens))
+    assert p.req.prefix_depth["b0"] == 5 * 16 * 4 // 512  # partial (joined at 7): still counts

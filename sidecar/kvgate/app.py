@@ -28,6 +28,7 @@ from kvgate.config import Config
 from kvgate.decision_socket import DecisionServer
 from kvgate.discovery import discover_once, discovery_loop
 from kvgate.http_api import HttpApi
+from kvgate.kv_subscriber import KvSubscriber
 from kvgate.limits import RateLimiter
 from kvgate.looplag import lag_loop
 from kvgate.membership import AddressPolicy, Membership
@@ -203,6 +204,8 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
                     replicas_loop(client, config.redis.prefix, me, registry, sessions), name="replicas"
                 )
             )
+        subscriber = KvSubscriber(core.exact, metrics, config.kv_index.replay_timeout_s, registry)
+        tasks.append(asyncio.create_task(subscriber.run(), name="kv-events"))
         if core.service.limiter is not None:
             tasks.append(
                 asyncio.create_task(limits_loop(core.service.limiter, config.limits.sync_s), name="limits")

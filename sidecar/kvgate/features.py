@@ -51,6 +51,9 @@ class Features:
     priority: int | None = None  # what the client asked for (body ``priority`` or X-Priority)
     # Set by the sidecar from kvgate.tokens (learned per model); 4 is English under BPE tokenizers.
     bytes_per_token: float = 4.0
+    # The prompt's token ids as the model's tokenizer gives them (with its chat template), when the
+    # sidecar has them: the exact index (``kvgate.exact_index``) is keyed by them.
+    token_ids: tuple[int, ...] | None = None
 
     @property
     def est_tokens(self) -> int:

@@ -56,6 +56,8 @@ def _encode(spec: BackendSpec, draining: bool) -> str:
             "url": spec.url,
             "weight": spec.weight,
             "labels": dict(spec.labels),
+            "kv_events": spec.kv_events,
+            "kv_events_replay": spec.kv_events_replay,
             "draining": draining,
         },
         sort_keys=True,

@@ -149,3 +149,49 @@ class SidecarMetrics:
             ["pool", "to"],
             registry=r,
         )
+        self.kv_events = Counter(
+            "kvgate_kv_events",
+            "KV-cache events applied to the exact index, by backend and type (BlockStored, BlockRemoved, "
+            "AllBlocksCleared, unknown).",
+            ["backend", "type"],
+            registry=r,
+        )
+        self.kv_messages = Counter(
+            "kvgate_kv_event_messages",
+            "KV-event messages received, by backend and what they did: ok, gap (events missed), restart "
+            "(the engine started again), old (already applied), malformed.",
+            ["backend", "result"],
+            registry=r,
+        )
+        self.kv_replays = Counter(
+            "kvgate_kv_event_replays",
+            "Replays asked of a backend's replay socket after a gap: filled, partial, failed.",
+            ["backend", "result"],
+            registry=r,
+        )
+        self.kv_index_blocks = Gauge(
+            "kvgate_kv_index_blocks", "Blocks the exact index holds per backend.", ["backend"], registry=r
+        )
+        self.kv_index_view = Gauge(
+            "kvgate_kv_index_view",
+            "1 for the exact index's view of a backend: none, full, partial (events missed: the approximate "
+            "index fills in), stale (events stopped: the approximate index serves it).",
+            ["backend", "view"],
+            registry=r,
+        )
+        self.kv_event_age = Gauge(
+            "kvgate_kv_event_age_seconds", "Seconds since a backend's last KV event.", ["backend"], registry=r
+        )
+        self.tokenize = Counter(
+            "kvgate_tokenize",
+            "Prompts tokenized for the exact index: ok, timeout, error, skipped (too long, or a cache_salt).",
+            ["result"],
+            registry=r,
+        )
+        self.reuse_tokens = Counter(
+            "kvgate_route_reuse_tokens",
+            "Prompt tokens a decision could reuse: available (on the best eligible backend), captured "
+            "(on the chosen backend, as the index predicted), delivered (as the engine reported).",
+            ["kind"],
+            registry=r,
+        )

@@ -12,8 +12,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvgate.config import Config, PolicyName
-from kvgate.features import Features
+from kvgate.exact_index import ExactIndex, View
+from kvgate.features import CHUNK_BYTES, Features
 from kvgate.first_byte import FirstByteBudget
+from kvgate.kv_hashes import chain
 from kvgate.messages import Candidate
 from kvgate.metrics import SidecarMetrics
 from kvgate.policies import Decision, Request, Snapshot, decide, uncached_tokens
@@ -68,8 +70,10 @@ class Planner:
         index: PrefixIndex,
         metrics: SidecarMetrics,
         first_byte: FirstByteBudget,
+        exact: ExactIndex | None = None,
     ) -> None:
         self.config = config
+        self.exact = exact
         self.registry = registry
         self.sessions = sessions
         self.index = index
@@ -110,6 +114,8 @@ class Planner:
         if uses_index and f.hashes and snap.nodes:
             match = self.index.match(f.hashes, snap.nodes)
             depth, shared = match.depth, match.shared
+        if uses_index and f.token_ids and self.exact is not None and snap.nodes:
+            depth, shared = self._exact_depths(f, f.token_ids, snap, depth, shared)
         keyed = policy is PolicyName.KVGATE and f.key is not None and bool(snap.nodes)
         bound, confirmed = None, True
         if keyed and f.key:
@@ -119,6 +125,38 @@ class Planner:
                 bound, confirmed = known
         req = Request(f, seq, bound, depth, shared)
         return Plan(snap, req, decide(policy, req, snap, limit), pool, confirmed=confirmed, matched=match)
+
+    def _exact_depths(
+        self, f: Features, tokens: tuple[int, ...], snap: Snapshot, approx: dict[str, int], shared: int
+    ) -> tuple[dict[str, int], int]:
+        """Each backend's held prefix from its KV events, in the approximate index's unit (chunks of
+        the prompt's bytes, so the policy weighs both alike). A backend whose view is partial gets the
+        deeper of the two views; one with no view, or a stale one, keeps the approximate depth.
+        When every backend has a full view, the part every one of them holds is the shared part."""
+        exact = self.exact
+        assert exact is not None
+        chains: dict[int, list[int]] = {}
+        depth = dict(approx)
+        all_full = True
+        for n in snap.nodes:
+            view = exact.view(n)
+            if view not in (View.FULL, View.PARTIAL):
+                all_full = False
+                continue
+            size = exact.block_size(n)
+            hashes = chains.get(size)
+            if hashes is None:
+                hashes = chains[size] = chain(tokens, size, (len(tokens) - 1) // size)
+            held = exact.depth(n, hashes) * size
+            chunks = int(held * f.bytes_per_token / CHUNK_BYTES)
+            if view is View.FULL:
+                depth[n] = chunks
+            else:
+                all_full = False
+                depth[n] = max(chunks, approx.get(n, 0))
+        if all_full:
+            shared = min(depth.get(n, 0) for n in snap.nodes)
+        return depth, shared
 
     def _pool_snapshot(self, model: str | None, pool: str) -> tuple[str, Snapshot]:
         """The pool's backends, or the first pool in its spill order that has room (the pool itself

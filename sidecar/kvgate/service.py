@@ -27,6 +27,7 @@ from typing import Any
 from kvgate.admission import MAX_ADMITTED, Admission, RateLimited
 from kvgate.affinity import Affinity
 from kvgate.config import Config, PolicyName
+from kvgate.exact_index import ExactIndex
 from kvgate.features import Features
 from kvgate.first_byte import FirstByteBudget
 from kvgate.limits import RateLimiter
@@ -72,6 +73,7 @@ class DecisionService:
         metrics: SidecarMetrics,
         limiter: RateLimiter | None = None,
         tokens: TokenEstimator | None = None,
+        exact: ExactIndex | None = None,
     ) -> None:
         self.config = config
         self.limiter = limiter
@@ -83,7 +85,7 @@ class DecisionService:
         self.first_byte = FirstByteBudget(config.gateway)
         self.queue = GatewayQueue(config.queue) if config.queue.enabled else None
         self.admission = Admission(config, metrics, limiter)
-        self.planner = Planner(config, registry, sessions, index, metrics, self.first_byte)
+        self.planner = Planner(config, registry, sessions, index, metrics, self.first_byte, exact)
         self.affinity = Affinity(config, sessions, metrics)
         self.outcomes = Outcomes(
             registry, sessions, self.admission, self.tokens, self.first_byte, metrics, self.abandon

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from kvgate.agreement import Agreement
 from kvgate.config import Config
+from kvgate.exact_index import ExactIndex
 from kvgate.limits import RateLimiter
 from kvgate.metrics import SidecarMetrics
 from kvgate.outliers import OutlierDetector
@@ -29,6 +30,7 @@ class Sidecar:
     registry: Registry
     sessions: SessionStore
     index: PrefixIndex
+    exact: ExactIndex  # fed by kvgate.kv_subscriber from the backends that publish KV events
     service: DecisionService
     agreement: Agreement  # whether the Nginx in front runs this config too
 
@@ -42,5 +44,6 @@ def build_sidecar(config: Config, redis: aioredis.Redis | None) -> Sidecar:
     sessions = SessionStore(config.redis, metrics, redis)
     index = PrefixIndex(config.routing.prefix_index_blocks)
     limiter = RateLimiter(config.limits, config.auth, redis, config.redis.prefix) if config.limited else None
-    service = DecisionService(config, registry, sessions, index, metrics, limiter)
-    return Sidecar(config, metrics, registry, sessions, index, service, Agreement(config))
+    exact = ExactIndex(config.kv_index.max_blocks, config.kv_index.stale_s)
+    service = DecisionService(config, registry, sessions, index, metrics, limiter, exact=exact)
+    return Sidecar(config, metrics, registry, sessions, index, exact, service, Agreement(config))

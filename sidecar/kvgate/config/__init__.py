@@ -27,6 +27,7 @@ from kvgate.config.compute import (
 from kvgate.config.fields import custom, load, part, reference
 from kvgate.config.gateway import GatewayConfig
 from kvgate.config.infra import DEFAULT_REDIS_URL, DEFAULT_SOCKET, ListenConfig, RedisConfig, ScrapeConfig
+from kvgate.config.kv_index import KvIndexConfig, TokenizerSource
 from kvgate.config.parse import ConfigError
 from kvgate.config.routing import LoadLimits, OutlierConfig, PolicyName, RoutingConfig
 
@@ -42,6 +43,7 @@ __all__ = [
     "DiscoverySpec",
     "DispatchOrder",
     "GatewayConfig",
+    "KvIndexConfig",
     "LimitsConfig",
     "ListenConfig",
     "LoadLimits",
@@ -55,6 +57,7 @@ __all__ = [
     "RedisConfig",
     "RoutingConfig",
     "ScrapeConfig",
+    "TokenizerSource",
     "TokensConfig",
     "hash_key",
     "reference",
@@ -96,6 +99,7 @@ class Config:
     pools: PoolsConfig = part(PoolsConfig, "length-bucketed pools")
     disaggregation: DisaggConfig = part(DisaggConfig, "prefill/decode disaggregation")
     tokens: TokensConfig = part(TokensConfig, "prompt bytes to tokens")
+    kv_index: KvIndexConfig = part(KvIndexConfig, "the exact prefix index (backends with kv_events)")
     # Backends found through DNS, beside the listed ones (read first: they may stand in for a list).
     discovery: tuple[DiscoverySpec, ...] = custom(
         (), _discovery, "Backends found by resolving DNS names", item=DiscoverySpec

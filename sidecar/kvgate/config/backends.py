@@ -55,6 +55,32 @@ def _backend_id(data: Mapping[str, Any], where: str, key: str) -> str:
     return bid
 
 
+def _zmq_endpoint(data: Mapping[str, Any], where: str, key: str) -> str | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    hint = f"{where}.{key}: {value!r} must look like tcp://HOST:PORT (a vLLM KV-event publisher)"
+    if not isinstance(value, str) or len(value) > 300:
+        raise ConfigError(hint)
+    parts = urlsplit(value)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConfigError(hint) from None
+    if parts.scheme != "tcp" or not parts.hostname or port is None or parts.path or parts.query:
+        raise ConfigError(hint)
+    return value
+
+
+def _optional_port(data: Mapping[str, Any], where: str, key: str) -> int | None:
+    return None if data.get(key) is None else _port(data, where, key)
+
+
+KV_EVENTS_HELP = (
+    "tcp://HOST:PORT of its KV-event publisher (vLLM --kv-events-config endpoint): the exact "
+    "prefix index follows what it holds"
+)
+KV_REPLAY_HELP = "tcp://HOST:PORT of its KV-event replay socket (replay_endpoint): fills gaps"
 LABELS_HELP = "labels: {pool: short}, {role: prefill}, ... (pools and disaggregation read them)"
 METRICS_HELP = (
     "which metrics the backend exposes: vllm or sglang names (auto: either), or none (any "
@@ -71,6 +97,8 @@ class BackendSpec:
     weight: float = number(1.0, 0.01, 1000.0, "its share of the ring")
     labels: Mapping[str, str] = custom({}, _labels, LABELS_HELP)
     metrics: str = custom("auto", _metrics, METRICS_HELP)
+    kv_events: str | None = custom(None, _zmq_endpoint, KV_EVENTS_HELP, shown="(none)")
+    kv_events_replay: str | None = custom(None, _zmq_endpoint, KV_REPLAY_HELP, shown="(none)")
 
     @property
     def address(self) -> str:
@@ -208,15 +236,24 @@ class DiscoverySpec:
     weight: float = number(1.0, 0.01, 1000.0, "each found backend's share of the ring")
     labels: Mapping[str, str] = custom({}, _labels, LABELS_HELP)
     metrics: str = custom("auto", _metrics, METRICS_HELP)
+    kv_events_port: int | None = custom(
+        None, _optional_port, "each found backend's KV-event publisher port (kv_events)", shown="(none)"
+    )
+    kv_events_replay_port: int | None = custom(
+        None, _optional_port, "each found backend's KV-event replay port", shown="(none)"
+    )
 
     def spec(self, address: str) -> BackendSpec:
         host = f"[{address}]" if ":" in address else address
+        events, replay = self.kv_events_port, self.kv_events_replay_port
         return BackendSpec(
             id=f"{self.dns.rstrip('.')}@{host}:{self.port}",
             url=f"{self.scheme}://{host}:{self.port}",
             weight=self.weight,
             labels=self.labels,
             metrics=self.metrics,
+            kv_events=None if events is None else f"tcp://{host}:{events}",
+            kv_events_replay=None if replay is None else f"tcp://{host}:{replay}",
         )
 
     @classmethod
