@@ -43,6 +43,7 @@ def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
                     progress=Progress(f"{n} backends, {name}, x{speedup:g}"),
                     extra=None if args.learn_tokens else {"tokens": {"learn": False}},
                     frontend_per_token_s=args.frontend_per_token_us * 1e-6,
+                    index=args.index,
                 )
                 row = virtual.summarize_run(
                     name, run, ideal, sum(zero_q) / len(zero_q), speedup, report.Slo.from_args(args)
@@ -116,6 +117,12 @@ def _main(argv: list[str]) -> int:
         default=0.0,
         help="frontend (tokenization) time per prompt token: a burst's short prompts then reach their "
         "engine before its long ones, as they do live (default 0: in arrival order)",
+    )
+    v.add_argument(
+        "--index",
+        choices=["approximate", "exact"],
+        default="approximate",
+        help="exact: the sidecar gets each prompt's token ids and the engines' KV events",
     )
     v.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
     v.add_argument("--out", default="bench-results/virtual")

@@ -12,6 +12,7 @@ closures share its clock and state; split, each part would need all of it.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import time
@@ -20,7 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvgate.public import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
     Config,
+    EventBatch,
     Features,
     Outcome,
     PolicyName,
@@ -38,6 +43,7 @@ from kvgate.public import (
 from kvgate_bench.report import DEFAULT_SLO, Sample, Slo, Summary, summarize
 from kvgate_bench.workloads import BenchRequest
 from vllm_sim.engine import Engine
+from vllm_sim.kv_cache import Cleared, KvEvent, Removed, Stored
 from vllm_sim.profiles import Profile
 from vllm_sim.request import EngineConfig, Request, SchedulingPolicy, TokenEvent
 
@@ -83,6 +89,19 @@ def _sync(coro: Coroutine[Any, Any, T]) -> T:
     raise RuntimeError("the decision path awaited real I/O in virtual time")
 
 
+def kv_batch(events: Sequence[KvEvent]) -> EventBatch:
+    """An engine step's events as the sidecar decodes them from a publisher's message."""
+    out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+    for ev in events:
+        if isinstance(ev, Stored):
+            out.append(BlockStored(ev.hashes, ev.parent, ev.block_size))
+        elif isinstance(ev, Removed):
+            out.append(BlockRemoved(ev.hashes))
+        elif isinstance(ev, Cleared):
+            out.append(AllBlocksCleared())
+    return EventBatch(0.0, tuple(out), 0)
+
+
 def features_for(requests: Sequence[BenchRequest]) -> list[Features]:
     """Features as Nginx would compute them from each request's body (computed once per workload)."""
     return [extract(r.body(), r.headers) for r in requests]
@@ -106,6 +125,7 @@ def replay(
     observe: Callable[[float, Registry, Sequence[Engine], Sequence[int]], None] | None = None,
     frontend_per_token_s: float = 0.0,
     scrape_phase: float = 0.0,
+    index: str = "approximate",
 ) -> Run:
     """``extra``: more config sections (queue, pools, tokens); ``labels``: each backend's labels;
     ``frontend_per_token_s``: frontend time per prompt token on top of the profile's fixed frontend
@@ -113,7 +133,9 @@ def replay(
     ``observe``: called at every scrape with the time, the sidecar's registry, the engines and the
     prompt tokens each engine's step in progress prefills (to set the load view against the truth);
     ``scrape_phase``: when the first scrape happens (live, the scrape clock runs independently of the
-    arrivals, so any phase within ``scrape_interval`` is as likely)."""
+    arrivals, so any phase within ``scrape_interval`` is as likely); ``index``: "exact" gives the
+    sidecar each prompt's token ids and every engine's KV events as each step ends (as a publisher
+    would send them), "approximate" neither."""
     started = time.perf_counter()
     cfg = Config.from_mapping(
         {
@@ -128,6 +150,7 @@ def replay(
     )
     core = build_sidecar(cfg, None)
     registry, service = core.registry, core.service
+    exact = index == "exact"
     clock = [0.0]  # virtual time, for the gateway queue's waits
 
     def tell(outcome: Outcome) -> None:
@@ -155,6 +178,11 @@ def replay(
     transfer_tokens_per_s = 200_000.0  # vllm-sim's default KV transfer speed (disaggregation)
     legs: dict[str, tuple[BenchRequest, Routed, float]] = {}  # prefill leg id -> its request
     ids = [f"sim-{i}" for i in range(backends)]
+    kv_seq = [0] * backends
+    kv_pending: list[list[KvEvent]] = [[] for _ in range(backends)]
+    if exact:
+        for e in engines:
+            e.pool.take_events()  # from now on the pools record their events
     busy = [False] * backends
     pending: list[list[TokenEvent]] = [[] for _ in range(backends)]
     in_step = [0] * backends  # prompt tokens of each engine's step in progress
@@ -272,6 +300,8 @@ def replay(
         if kind == "arrive":
             r = payload
             f = feats[r.rid]
+            if exact:
+                f = dataclasses.replace(f, token_ids=tuple(r.prompt_ids()))
             snap = registry.snapshot(f.model)
             admits = snap.bound_admits()
             under = {n for n in snap.nodes if admits(n)}  # before this decision counts itself
@@ -297,6 +327,10 @@ def replay(
                 heapq.heappush(events, (t, 3, next(seq), "step", i))
         elif kind == "step":
             i = payload
+            if kv_pending[i]:  # the events of the step that ends now reach the sidecar
+                core.exact.apply(ids[i], kv_seq[i], kv_batch(kv_pending[i]))
+                kv_seq[i] += 1
+                kv_pending[i] = []
             for ev in pending[i]:
                 name = ev.request.request_id
                 if name in awaiting_first:
@@ -318,6 +352,8 @@ def replay(
                 continue
             pending[i] = result.events
             in_step[i] = result.prefill_tokens
+            if exact:
+                kv_pending[i] = engines[i].pool.take_events()
             heapq.heappush(events, (result.end, 3, next(seq), "step", i))
         elif kind == "report":
             service.report([payload])

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate_bench import report
+from kvgate_bench.pressure import cache_pressure
 from vllm_real import vocabulary
 from vllm_sim import tokenizer
 
@@ -309,7 +310,9 @@ def reuse_rich(
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     report.add_slo_args(p)  # every command that runs a workload reports goodput at an SLO
     p.add_argument(
-        "--workload", choices=["trace", "chat", "chat-sessions", "mixed", "reuse"], default="trace"
+        "--workload",
+        choices=["trace", "chat", "chat-sessions", "mixed", "reuse", "pressure"],
+        default="trace",
     )
     p.add_argument(
         "--reuse", type=float, default=0.8, help="reuse workload: share of requests that come back"
@@ -373,6 +376,9 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
     filler = FILLERS[words]
     if args.workload in ("chat", "chat-sessions"):
         reqs = synthetic_chat(session_header=args.workload == "chat-sessions", model=model, filler=filler)
+    elif args.workload == "pressure":
+        arrivals = cache_pressure(filler=filler)
+        reqs = [_chat_request(i, t, m, n, model) for i, (t, m, n) in enumerate(arrivals)]
     elif args.workload == "reuse":
         reqs = reuse_rich(reuse=args.reuse, rate=args.rate, model=model, filler=filler)
     else:
