@@ -238,6 +238,8 @@ class ServerBase:
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         ok = self.engine.pool.reset_prefix_cache()
+        if self.kv_publisher is not None:  # no step may follow: AllBlocksCleared goes out now
+            self.kv_publisher.publish(self.engine.pool.take_events())
         return web.Response(status=200 if ok else 400)
 
     async def info(self, request: web.Request) -> web.Response:

@@ -148,4 +148,14 @@ function _M.priority(body)
     return nil
 end
 
+-- The body itself, sent with the decision when the exact prefix index needs the prompt's token ids
+-- (the sidecar has a backend tokenize it); nil when off, too long, or not a prompt.
+function _M.tokenizable(body, raw)
+    local most = conf.tokenize_bytes
+    if most > 0 and raw and #raw <= most and (body.messages or type(body.prompt) == "string") then
+        return raw
+    end
+    return nil
+end
+
 return _M

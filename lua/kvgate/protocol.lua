@@ -21,7 +21,7 @@ local last_mismatch_log = 0
 -- Messages to the sidecar ------------------------------------------------------------------------
 
 -- id: this gateway's name for the decision; f: the table features.extract returns. No hashes: no h
--- (cjson would write an empty table as {}).
+-- (cjson would write an empty table as {}). tb: the request's body, when the sidecar tokenizes it.
 function _M.decide(id, f)
     local hashes = f.hashes
     if #hashes == 0 then
@@ -29,7 +29,8 @@ function _M.decide(id, f)
     end
     return { pv = VERSION, op = "decide", i = id,
              f = { m = f.model, k = f.key, ks = f.key_source, h = hashes, b = f.prompt_bytes,
-                   ck = f.client_key, ca = f.client_addr, mt = f.max_tokens, pr = f.priority } }
+                   ck = f.client_key, ca = f.client_addr, mt = f.max_tokens, pr = f.priority,
+                   tb = f.body } }
 end
 
 function _M.report(outcomes)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from kvgate.config import Config
+from kvgate.config import Config, TokenizerSource
 
 logger = logging.getLogger(__name__)
 SEEN_S = 10.0  # a gateway that sent its fingerprint this recently is still there
@@ -49,7 +49,17 @@ def gateway_settings(config: Config) -> dict[str, Any]:
         "queue": config.queue.enabled,
         "queue_heartbeat_ms": round(config.queue.heartbeat_s * 1000),
         "edge_access": g.edge_access or "",
+        "tokenize_bytes": tokenize_bytes(config),
     }
+
+
+def tokenize_bytes(config: Config) -> int:
+    """Up to how many bytes of a request's body Nginx sends with its decision, for the exact index
+    to tokenize (``kvgate.tokenize``): 0 unless a backend or discovery declares a KV-event publisher."""
+    publishes = any(b.kv_events for b in config.backends) or any(d.kv_events_port for d in config.discovery)
+    if not publishes or config.kv_index.tokenizer is TokenizerSource.NONE:
+        return 0
+    return config.kv_index.max_prompt_bytes
 
 
 def fingerprint(settings: Mapping[str, Any]) -> str:

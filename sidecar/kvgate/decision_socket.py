@@ -72,7 +72,7 @@ class DecisionServer:
     async def handle(self, msg: Message) -> Reply | Queued | None:
         if isinstance(msg, Decide):
             try:
-                routed = await self.service.decide(msg.features, msg.decision_id)
+                routed = await self.service.decide(msg.features, msg.decision_id, body=msg.body)
             except UnknownModel as exc:
                 return ErrorReply(ErrorCode.UNKNOWN_MODEL, str(exc))
             except RateLimited as exc:

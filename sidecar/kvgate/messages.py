@@ -93,6 +93,7 @@ class Outcome:
 class Decide:
     decision_id: str
     features: Features
+    body: str | None = None  # the request's body, sent when the exact index needs its token ids
 
 
 @dataclass(frozen=True, slots=True)

@@ -202,7 +202,9 @@ def decode_message(line: bytes) -> Message:
         )
     try:
         if op == "decide":
-            return Decide(_id(msg.get("i"), "i"), decode_features(msg.get("f")))
+            f = msg.get("f")
+            body = f.get("tb") if isinstance(f, Mapping) else None
+            return Decide(_id(msg.get("i"), "i"), decode_features(f), body if isinstance(body, str) else None)
         if op == "report":
             items = msg.get("o")
             if not isinstance(items, list):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from kvgate import protocol, version
 from kvgate.config import Config, PolicyName, hash_key
 from kvgate.features import Features, extract
+from kvgate.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvgate.load import Scraped
 from kvgate.looplag import SchedStat, read_schedstat
 from kvgate.messages import Decide, DecisionReply, Outcome, Report
@@ -25,9 +26,13 @@ from kvgate.sidecar import Sidecar, build_sidecar
 __all__ = [
     "DEBIAN_MODULES",
     "LUA_DIR",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
     "Config",
     "Decide",
     "DecisionReply",
+    "EventBatch",
     "Features",
     "NginxSettings",
     "Outcome",

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.admission import MAX_ADMITTED, Admission, RateLimited
+from kvgate.admission import MAX_ADMITTED, Admission, RateLimited, UnknownModel
 from kvgate.affinity import Affinity
 from kvgate.config import Config, PolicyName
 from kvgate.exact_index import ExactIndex
@@ -40,19 +40,13 @@ from kvgate.prefix_index import PrefixIndex
 from kvgate.queue import GatewayQueue, QueueFull, QueueTimeout, Waiting
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
+from kvgate.tokenize import RemoteTokenizer
 from kvgate.tokens import TokenEstimator
 
 __all__ = ["DecisionService", "Queued", "RateLimited", "Routed", "UnknownModel"]
 
 logger = logging.getLogger(__name__)
 RECENT_DECISIONS = 256  # kept for GET /debug/decisions
-
-
-class UnknownModel(Exception):
-    """No backend serves the model; the message is vLLM's own (0.32 names the models it serves)."""
-
-    def __init__(self, model: str, served: list[str]) -> None:
-        super().__init__(f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +76,7 @@ class DecisionService:
         self.index = index
         self.metrics = metrics
         self.tokens = tokens if tokens is not None else TokenEstimator(config.tokens)
+        self.tokenizer: RemoteTokenizer | None = None  # set by the app, which owns the HTTP session
         self.first_byte = FirstByteBudget(config.gateway)
         self.queue = GatewayQueue(config.queue) if config.queue.enabled else None
         self.admission = Admission(config, metrics, limiter)
@@ -100,12 +95,12 @@ class DecisionService:
         return r.per_model.get(model, r.policy) if model else r.policy
 
     async def decide(
-        self, f: Features, decision_id: str | None = None, dry_run: bool = False
+        self, f: Features, decision_id: str | None = None, dry_run: bool = False, body: str | None = None
     ) -> Routed | Queued:
         """Route one request, or queue it while every backend it could go to is saturated (with the
         gateway queue on). ``decision_id`` is Nginx's name for it (its outcome reports use it);
         callers that have none get one from the sidecar. A ``dry_run`` (``POST /v1/decide``) says what
-        would be decided and changes nothing: no binding written, nothing counted in flight."""
+        would be decided and changes nothing (``body``: the request's, tokenized for the exact index)."""
         t0 = time.perf_counter()
         if f.model is not None and self.registry.serves(f.model) is False:
             self.metrics.unknown_model.inc()
@@ -113,6 +108,8 @@ class DecisionService:
         seq = next(self._seq)
         did = decision_id if decision_id is not None else f"s{seq}"
         f = self.calibrated(f)
+        if body is not None and self.tokenizer is not None:
+            f = await self.tokenizer.with_tokens(f, body)
         if not dry_run:
             self.admission.admit(did, f)
         policy = self.policy_for(f.model)

@@ -26,7 +26,7 @@ class KvIndexConfig:
         30, 1, 5_000, "a decision waits this long for the prompt's token ids, then goes approximate"
     )
     max_prompt_bytes: int = whole(
-        1 << 20, 0, 64 << 20, "longer prompts are not tokenized (looked up approximately)"
+        256 << 10, 0, 64 << 20, "bodies longer than this are not sent to be tokenized (0: none)"
     )
     max_blocks: int = whole(
         262_144, 1_024, 100_000_000, "block hashes kept per backend (about 100 bytes each)"
