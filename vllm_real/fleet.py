@@ -81,14 +81,16 @@ class ServerSpec:
         if self.num_gpu_blocks is not None:
             out += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
         if self.kv_events_port is not None:
+            # vLLM's publisher binds only when the endpoint has a wildcard; with an address it
+            # connects out, to a subscriber that would have to bind.
             events = {
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
-                "endpoint": f"tcp://127.0.0.1:{self.kv_events_port}",
+                "endpoint": f"tcp://*:{self.kv_events_port}",
                 "topic": "kv-events",
             }
             if self.kv_events_replay_port is not None:
-                events["replay_endpoint"] = f"tcp://127.0.0.1:{self.kv_events_replay_port}"
+                events["replay_endpoint"] = f"tcp://*:{self.kv_events_replay_port}"
             out += ["--kv-events-config", json.dumps(events)]
         if self.kv_role is not None:
             transfer = {"kv_connector": "NixlConnector", "kv_role": self.kv_role, "kv_buffer_device": "cpu"}

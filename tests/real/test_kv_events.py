@@ -1,0 +1,95 @@
+"""KV events from real vLLM servers: kvgate's block hashes are the ones vLLM publishes, and a
+gateway with the exact index finds a prompt on the server that holds it, though no routing
+decision ever put it there (it was sent to that server directly)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+import zmq
+from kvgate.kv_events import BlockRemoved, BlockStored, decode
+from kvgate.kv_hashes import chain
+
+from tests.real.conftest import BLOCK_SIZE, MODEL, Gateway, RealFleet, Tokens, post
+
+pytestmark = pytest.mark.real
+
+
+def messages(context: str, question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": context}, {"role": "user", "content": question}]
+
+
+def chat_body(msgs: list[dict[str, str]]) -> dict[str, Any]:
+    return {"model": MODEL, "messages": msgs, "max_tokens": 1, "temperature": 0}
+
+
+def test_kvgates_block_hashes_are_the_ones_vllm_publishes(fleet: RealFleet, tokens: Tokens) -> None:
+    port = fleet.specs[0].kv_events_port
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        time.sleep(1.0)  # the subscription reaches the publisher (ZMQ's slow joiner)
+        msgs = messages(tokens.text(1500, uuid.uuid4().int % 10**9), "why?")
+        status, _, answer = post(fleet.urls[0] + "/v1/chat/completions", chat_body(msgs))
+        assert status == 200, answer
+        stored: list[int] = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(stored) < 1500 // BLOCK_SIZE:
+            if sub.poll(200):
+                _, _, payload = sub.recv_multipart()
+                for ev in decode(payload).events:
+                    if isinstance(ev, BlockStored):
+                        assert ev.block_size == BLOCK_SIZE
+                        stored.extend(ev.hashes)
+                    assert not isinstance(ev, BlockRemoved) or ev.hashes
+        status, _, tokenized = post(fleet.urls[0] + "/tokenize", {"model": MODEL, "messages": msgs})
+        assert status == 200, tokenized
+        expected = chain(tokenized["tokens"], BLOCK_SIZE)
+        assert len(expected) >= 1500 // BLOCK_SIZE - 1
+        assert stored[: len(expected)] == expected
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_the_exact_index_finds_a_prompt_where_a_real_server_holds_it(
+    fleet: RealFleet, tokens: Tokens
+) -> None:
+    backends = [
+        {"id": f"vllm-{i}", "url": url, "kv_events": f"tcp://127.0.0.1:{fleet.specs[i].kv_events_port}"}
+        for i, url in enumerate(fleet.urls)
+    ]
+    # The tokenize budget is generous: two CPU servers share this machine's cores with the test.
+    gw = Gateway(
+        fleet.sup,
+        "exact",
+        backends,
+        kv_index={"tokenize_timeout_ms": 2000},
+        gateway={"decision_timeout_ms": 3000},
+    )
+    try:
+        contexts = {}
+        for i in range(len(fleet.urls)):
+            contexts[f"vllm-{i}"] = context = tokens.text(2000, uuid.uuid4().int % 10**9)
+            time.sleep(1.0)  # the sidecar's subscription is up before the events it must see
+            status, _, answer = post(
+                fleet.urls[i] + "/v1/chat/completions", chat_body(messages(context, "q0"))
+            )
+            assert status == 200, answer
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and gw.sidecar_metric("kvgate_kv_events_total") < 2 * (
+            2000 // BLOCK_SIZE - 1
+        ):
+            time.sleep(0.2)
+        for bid, context in contexts.items():
+            status, headers, answer = gw.chat(chat_body(messages(context, f"and for {bid}?")))
+            assert status == 200, answer
+            assert headers["X-Kvgate-Backend"] == bid, headers["X-Kvgate-Route"]
+        assert gw.sidecar_metric('kvgate_tokenize_total{result="ok"}') >= len(contexts)
+    finally:
+        gw.stop()
