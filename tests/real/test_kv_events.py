@@ -82,9 +82,8 @@ def test_the_exact_index_finds_a_prompt_where_a_real_server_holds_it(
             )
             assert status == 200, answer
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and gw.sidecar_metric("kvgate_kv_events_total") < 2 * (
-            2000 // BLOCK_SIZE - 1
-        ):
+        want = len(contexts) * (2000 // BLOCK_SIZE - 1)  # blocks held, summed over the backends
+        while time.monotonic() < deadline and gw.sidecar_metric("kvgate_kv_index_blocks") < want:
             time.sleep(0.2)
         for bid, context in contexts.items():
             status, headers, answer = gw.chat(chat_body(messages(context, f"and for {bid}?")))
