@@ -7,12 +7,16 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvgate.public import PolicyName, version
 
 from kvgate_bench import live, report
 from kvgate_bench.report import Progress, Summary
 from kvgate_bench.workloads import add_workload_args, build_workload
+
+if TYPE_CHECKING:
+    from kvgate_bench.virtual import Result
 from vllm_sim.profiles import PROFILES, get_profile
 
 
@@ -54,13 +58,27 @@ def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 print(
                     f"  {name:16} x{speedup:<5g} TTFT mean {row.ttft_mean:.3f}s p90 {row.ttft_p90:.3f}s "
                     f"hit {row.hit_rate:.1%} (ideal {ideal:.1%}) imbalance {row.imbalance:.2f} "
-                    f"[{run.wall_s:.0f}s]",
+                    f"[{run.wall_s:.0f}s]{regret(run.results)}",
                     file=sys.stderr,
                 )
         out = Path(args.out) / f"{args.workload}-{n}-backends"
         path = report.write(out, f"virtual time, {args.workload}, {n} x {profile.name}", head, rows, cdfs)
         print(f"wrote {path}")
     return 0
+
+
+def regret(results: Sequence[Result]) -> str:
+    """Cached prompt tokens the index predicted on each request's backend against what its engine
+    delivered: the totals, and the median of the per-request gap as a share of the prompt."""
+    if not results:
+        return ""
+    gaps = sorted(abs(r.predicted_tokens - r.cached_tokens) / max(1, r.prompt_tokens) for r in results)
+    predicted = sum(r.predicted_tokens for r in results)
+    delivered = sum(r.cached_tokens for r in results)
+    return (
+        f" predicted {predicted} / delivered {delivered} cached tokens, "
+        f"gap p50 {gaps[len(gaps) // 2]:.1%} p90 {gaps[int(len(gaps) * 0.9)]:.1%} of the prompt"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

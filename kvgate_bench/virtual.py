@@ -21,11 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvgate.public import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
     Config,
-    EventBatch,
     Features,
     Outcome,
     PolicyName,
@@ -40,10 +36,11 @@ from kvgate.public import (
     extract,
 )
 
+from kvgate_bench.kv_events import kv_batch
 from kvgate_bench.report import DEFAULT_SLO, Sample, Slo, Summary, summarize
 from kvgate_bench.workloads import BenchRequest
 from vllm_sim.engine import Engine
-from vllm_sim.kv_cache import Cleared, KvEvent, Removed, Stored
+from vllm_sim.kv_cache import KvEvent
 from vllm_sim.profiles import Profile
 from vllm_sim.request import EngineConfig, Request, SchedulingPolicy, TokenEvent
 
@@ -65,6 +62,7 @@ class Result:
     cached_tokens: int
     output_tokens: int
     reason: str
+    predicted_tokens: int = 0  # cached prompt tokens the sidecar's index predicted on its backend
 
 
 @dataclass
@@ -87,19 +85,6 @@ def _sync(coro: Coroutine[Any, Any, T]) -> T:
         return done.value  # type: ignore[no-any-return]
     coro.close()
     raise RuntimeError("the decision path awaited real I/O in virtual time")
-
-
-def kv_batch(events: Sequence[KvEvent]) -> EventBatch:
-    """An engine step's events as the sidecar decodes them from a publisher's message."""
-    out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
-    for ev in events:
-        if isinstance(ev, Stored):
-            out.append(BlockStored(ev.hashes, ev.parent, ev.block_size))
-        elif isinstance(ev, Removed):
-            out.append(BlockRemoved(ev.hashes))
-        elif isinstance(ev, Cleared):
-            out.append(AllBlocksCleared())
-    return EventBatch(0.0, tuple(out), 0)
 
 
 def features_for(requests: Sequence[BenchRequest]) -> list[Features]:
@@ -189,6 +174,7 @@ def replay(
     # engine request id -> (rid, decision id, backend, reason)
     meta: dict[str, tuple[int, str, str, str]] = {}
     awaiting_first: set[str] = set()  # requests whose first token Nginx has not reported yet
+    predicted: dict[int, int] = {}  # request -> prompt tokens the index said its backend holds
     run = Run(policy.value, backends, speedup)
     seq = itertools.count()
     events: list[tuple[float, int, int, str, Any]] = []
@@ -254,9 +240,15 @@ def replay(
                 req.cached_tokens or 0,
                 req.num_output,
                 reason,
+                predicted.pop(rid, 0),
             )
         )
-        tell(Outcome.end(decision, backend, 200, True, first - req.arrival, end - req.arrival))
+        cached = req.cached_tokens
+        tell(
+            Outcome.end(
+                decision, backend, 200, True, first - req.arrival, end - req.arrival, cached_tokens=cached
+            )
+        )
         done += 1
         if progress is not None and (done % 200 == 0 or done == len(requests)):
             progress(done, len(requests))
@@ -276,6 +268,7 @@ def replay(
                 f"r{r.rid}", r.prompt_ids(), r.output_tokens, arrived, ignore_eos=True, priority=priority
             )
             awaiting_first.add(req.request_id)
+        predicted[r.rid] = routed.reuse[1]
         meta[req.request_id] = (r.rid, routed.decision_id, backend, routed.label)
         delay = frontend + r.prompt_tokens * frontend_per_token_s
         heapq.heappush(events, (t + delay, 2, next(seq), "enqueue", (ids.index(backend), req)))

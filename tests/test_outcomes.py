@@ -44,3 +44,13 @@ def test_a_response_id_binds_the_next_turn_to_the_backend_that_stores_it() -> No
     assert asyncio.run(sc.sessions.peek(session_key("r", "resp_abc"))) == "b1"
     sc.service.outcomes.apply([Outcome.end("d3", "b1", 200)])
     assert len(sc.registry.ledger) == 0
+
+
+def test_cached_tokens_an_engine_reports_count_as_delivered_reuse() -> None:
+    sc = core()
+    r = asyncio.run(sc.service.route(feats(3), "d3"))
+    b = r.candidates[0].id
+    sc.service.outcomes.apply([Outcome.end("d3", b, 200, True, 0.2, 1.0, cached_tokens=1_024)])
+    sc.service.outcomes.apply([Outcome.end(None, b, 500, False, None, 0.1, cached_tokens=99)])  # no answer
+    got = sc.metrics.registry.get_sample_value("kvgate_route_reuse_tokens_total", {"kind": "delivered"})
+    assert got == 1_024

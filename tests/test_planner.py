@@ -79,6 +79,8 @@ def test_the_exact_index_sends_a_prompt_to_the_backend_whose_events_say_it_holds
     assert p.decision.candidates[0] == "b1"
     assert p.req.prefix_depth["b1"] == 200 * 16 * 4 // 512 and p.req.prefix_depth["b0"] == 10 * 16 * 4 // 512
     assert "b2" not in p.req.prefix_depth  # no view of it: the approximate index speaks for it
+    # What the index says the decision can reuse: on the best backend, on the chosen one (the same).
+    assert sc.service.planner.routed("d", PolicyName.KVGATE, p, 0).reuse == (200 * 16, 200 * 16)
     # Without token ids the same request is looked up approximately, and nothing is known.
     assert plan(sc, Features(MODEL, None, "none", (), 16_000)).req.prefix_depth == {}
 

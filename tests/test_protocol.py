@@ -60,6 +60,7 @@ def outcome(d: dict[str, Any]) -> Outcome:
         d["prompt_tokens"],
         d["completion_tokens"],
         d["response_id"],
+        d["cached_tokens"],
     )
 
 
@@ -100,8 +101,8 @@ def test_golden_version_is_the_protocol_version() -> None:
 @pytest.mark.parametrize("case", GOLDEN["decide"], ids=lambda c: str(c["features"]["key_source"]))
 def test_decide_messages_encode_and_decode_as_golden(case: dict[str, Any]) -> None:
     f = features(case["features"])
-    assert protocol.encode_message(Decide(case["id"], f)) == case["wire"]
-    assert protocol.decode_message(protocol.line(case["wire"])) == Decide(case["id"], f)
+    assert protocol.encode_message(Decide(case["id"], f, case["body"])) == case["wire"]
+    assert protocol.decode_message(protocol.line(case["wire"])) == Decide(case["id"], f, case["body"])
 
 
 @pytest.mark.parametrize("case", GOLDEN["report"])

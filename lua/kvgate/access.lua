@@ -77,7 +77,7 @@ local function failure_reason(err)
     return "error"
 end
 
--- With rate limits on: what the token count needs from the backend. A request the sidecar gave a
+-- With usage read (conf.usage): what the token count needs from the backend. A request the sidecar gave a
 -- max_tokens (it had none, and a token limit applies) gets it; a stream asks for its usage (vLLM sends
 -- it last), which the body filter strips again when the client did not ask for it. Returns whether
 -- it asked.
@@ -195,7 +195,7 @@ local function backend_body(body, raw, decision, kind)
             route = route .. "/colocated"
         end
     end
-    local strip_usage = conf.limits and usage_fields(body, decision, kind, generates, added)
+    local strip_usage = conf.usage and usage_fields(body, decision, kind, generates, added)
     if #added > 0 then
         ngx.req.set_body_data(jsontext.with_fields(raw, added))
     end

@@ -51,8 +51,9 @@ local function cut(req)
     end
 end
 
--- With rate limits on, the response's usage corrects the tokens counted at admission. It is in the
--- last event of a stream (with include_usage) or near the end of a JSON body: keep the last chunks.
+-- The response's usage (conf.usage: rate limits count its tokens, the exact index its cached ones)
+-- is in the last event of a stream (with include_usage) or near the end of a JSON body: keep the
+-- last chunks.
 local function keep_tail(req)
     local chunk = ngx.arg[1]
     if chunk ~= "" then
@@ -112,7 +113,7 @@ function _M.body_filter()
     if not req or req.eof or req.tries == 0 then
         return
     end
-    if conf.limits then
+    if conf.usage then
         keep_tail(req)
     end
     if req.strip_usage and req.stream then

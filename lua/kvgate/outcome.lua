@@ -17,14 +17,14 @@ local str_gmatch = string.gmatch
 local _M = {}
 
 -- The response's usage, from its last chunks: chat and completions name them prompt/completion
--- tokens, the Responses API input/output.
+-- tokens, the Responses API input/output; cached_tokens when vLLM reports it (the prefix-cache hit).
 local function usage(tail)
     if not tail then
-        return nil, nil
+        return nil, nil, nil
     end
     local pt = str_match(tail, '"prompt_tokens"%s*:%s*(%d+)') or str_match(tail, '"input_tokens"%s*:%s*(%d+)')
     local ct = str_match(tail, '"completion_tokens"%s*:%s*(%d+)') or str_match(tail, '"output_tokens"%s*:%s*(%d+)')
-    return tonumber(pt), tonumber(ct)
+    return tonumber(pt), tonumber(ct), tonumber(str_match(tail, '"cached_tokens"%s*:%s*(%d+)'))
 end
 
 function _M.log()
@@ -55,8 +55,8 @@ function _M.log()
     local duration = ngx_now() - ngx.req.start_time()
     local backend = request.backend(req)
     local ttft = req.stream and req.first or nil
-    local pt, ct = usage(req.tail)
-    outbox.push(protocol.ended(req.id, backend, status, sent, ttft, duration, req.cut, pt, ct, req.rid))
+    local pt, ct, kt = usage(req.tail)
+    outbox.push(protocol.ended(req.id, backend, status, sent, ttft, duration, req.cut, pt, ct, req.rid, kt))
     -- For the kvgate log_format (the access log module runs after this phase handler).
     ngx_var.kvgate_backend = backend
     ngx_var.kvgate_route = req.route

@@ -61,9 +61,9 @@ end
 -- The request ended. id is nil for a fail-open request; ttft (streams) and duration may be nil; cut is
 -- true when the backend closed the response before its end; pt and ct are the response's usage;
 -- rid the id of a /v1/responses response (the backend keeps it: later turns must come back).
-function _M.ended(id, backend, status, sent, ttft, duration, cut, pt, ct, rid)
+function _M.ended(id, backend, status, sent, ttft, duration, cut, pt, ct, rid, kt)
     return { k = "end", i = id, b = backend, s = status, x = sent, t = ttft, d = duration, c = cut or nil,
-             pt = pt, ct = ct, r = rid }
+             pt = pt, ct = ct, r = rid, kt = kt }
 end
 
 -- An earlier candidate failed before the one that answered.

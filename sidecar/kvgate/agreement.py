@@ -50,6 +50,9 @@ def gateway_settings(config: Config) -> dict[str, Any]:
         "queue_heartbeat_ms": round(config.queue.heartbeat_s * 1000),
         "edge_access": g.edge_access or "",
         "tokenize_bytes": tokenize_bytes(config),
+        # Nginx reads each response's usage: rate limits count its tokens, the exact index its
+        # cached tokens (what the engine delivered against what the index predicted).
+        "usage": config.limited or tokenize_bytes(config) > 0,
     }
 
 

@@ -46,6 +46,7 @@ class Outcome:
     prompt_tokens: int | None = None  # the response's usage, when Nginx read it (limits on)
     completion_tokens: int | None = None
     response_id: str | None = None  # /v1/responses: the id its backend now stores
+    cached_tokens: int | None = None  # the prompt tokens its backend served from its prefix cache
 
     @classmethod
     def first(cls, decision_id: str, backend: str, response_id: str | None = None) -> Outcome:
@@ -64,6 +65,7 @@ class Outcome:
         prompt_tokens: int | None = None,
         completion_tokens: int | None = None,
         response_id: str | None = None,
+        cached_tokens: int | None = None,
     ) -> Outcome:
         return cls(
             OutcomeKind.END,
@@ -77,6 +79,7 @@ class Outcome:
             prompt_tokens,
             completion_tokens,
             response_id,
+            cached_tokens,
         )
 
     @classmethod

@@ -82,6 +82,7 @@ class NginxSettings:
     edge_lua: bool = False
     edge_access: str = _taken("edge_access")  # the edge's Lua module whose access() runs first
     tokenize_bytes: int = _taken("tokenize_bytes")  # bodies up to this size go with their decision
+    usage: bool = _taken("usage")  # read each response's usage (asked of the backend for streams)
     # Of the settings above taken from the config (kvgate.agreement): Nginx sends it to the sidecar,
     # which says whether it runs the same config.
     fingerprint: str = _lua("")

@@ -81,6 +81,8 @@ class Outcomes:
             self.sessions.remember(session_key("r", o.response_id), o.backend)
         if not o.backend:
             return
+        if o.cached_tokens is not None and o.status == 200:
+            self.metrics.reuse_tokens.labels("delivered").inc(o.cached_tokens)
         self.registry.outcome(o.backend, o.status, o.ttft, o.cut, now)
         self.metrics.outcomes.labels(o.backend, "cut" if o.cut else str(o.status)).inc()
         if o.ttft is not None:

@@ -36,6 +36,8 @@ class Routed:
     priority: int = 0  # the request's effective priority (the gateway queue's class)
     prefill: tuple[Candidate, ...] = ()  # disaggregated: where the prefill leg goes
     first_byte_ms: tuple[int, ...] = ()  # each candidate's first-byte timeout (kvgate.first_byte)
+    # Prompt tokens the index says are held: on the best eligible backend, on the chosen one.
+    reuse: tuple[int, int] = (0, 0)
 
     @property
     def label(self) -> str:
@@ -195,7 +197,10 @@ class Planner:
         else:
             prefill, ids = (), plan.decision.candidates
         budgets = self._first_byte(plan, ids, counted)
-        return Routed(did, policy, plan.decision, pairs(ids), plan.pool, priority, prefill, budgets)
+        f = plan.req.features
+        held = {n: f.est_tokens - uncached_tokens(f, d) for n, d in plan.req.prefix_depth.items()}
+        reuse = (max(held.values(), default=0), held.get(plan.decision.candidates[0], 0))
+        return Routed(did, policy, plan.decision, pairs(ids), plan.pool, priority, prefill, budgets, reuse)
 
     def _first_byte(self, plan: Plan, ids: tuple[str, ...], counted: tuple[str, int]) -> tuple[int, ...]:
         """Each candidate's first-byte timeout: the prefill ahead of this request there, as the

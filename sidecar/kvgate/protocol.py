@@ -39,7 +39,8 @@ response byte and ``try`` a failed attempt on an earlier candidate::
     {"k":"first","i":id,"b":backend,"r":the id of a /v1/responses response, sent at once: the next turn
      may come within milliseconds, through any replica}
     {"k":"end","i":id,"b":backend,"s":status,"x":bytes sent,"t":ttft s (streams),"d":duration s,"c":cut,
-     "pt":prompt tokens,"ct":completion tokens (from the response's usage, when limits are on),
+     "pt":prompt tokens,"ct":completion tokens,"kt":cached prompt tokens (from the response's usage,
+     when Nginx reads it: rate limits, or the exact index),
      "r":the id of a /v1/responses response (its backend keeps it)}
     {"k":"try","b":backend,"s":status}
     {"k":"drop","i":id}
@@ -170,7 +171,7 @@ def decode_outcome(d: Any) -> Outcome:
     if kind is OutcomeKind.TRY:
         return Outcome.tried(backend, status)
     decision_id = None if d.get("i") is None else _id(d.get("i"), "i")
-    pt, ct = d.get("pt"), d.get("ct")
+    pt, ct, kt = d.get("pt"), d.get("ct"), d.get("kt")
     return Outcome.end(
         decision_id,
         backend,
@@ -182,6 +183,7 @@ def decode_outcome(d: Any) -> Outcome:
         None if pt is None else max(0, _int(pt, "pt")),
         None if ct is None else max(0, _int(ct, "ct")),
         _text(d.get("r"), "r"),
+        None if kt is None else max(0, _int(kt, "kt")),
     )
 
 
@@ -270,13 +272,18 @@ def encode_outcome(o: Outcome) -> dict[str, Any]:
         out["ct"] = o.completion_tokens
     if o.response_id is not None:
         out["r"] = o.response_id
+    if o.cached_tokens is not None:
+        out["kt"] = o.cached_tokens
     return out
 
 
 def encode_message(msg: Message) -> dict[str, Any]:
     """What Lua sends, for tools and tests that speak to the sidecar as Nginx does."""
     if isinstance(msg, Decide):
-        return {"pv": VERSION, "op": "decide", "i": msg.decision_id, "f": encode_features(msg.features)}
+        f = encode_features(msg.features)
+        if msg.body is not None:
+            f["tb"] = msg.body
+        return {"pv": VERSION, "op": "decide", "i": msg.decision_id, "f": f}
     if isinstance(msg, Report):
         return {"pv": VERSION, "op": "report", "o": [encode_outcome(o) for o in msg.outcomes]}
     if isinstance(msg, PeersQuery):

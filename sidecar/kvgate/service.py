@@ -179,6 +179,8 @@ class DecisionService:
         self.metrics.decisions.labels(policy.value, decision.label).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         routed = self.planner.routed(did, policy, plan, priority, (primary, uncached(primary)))
+        self.metrics.reuse_tokens.labels("available").inc(routed.reuse[0])
+        self.metrics.reuse_tokens.labels("captured").inc(routed.reuse[1])
         self._recent.append((routed, f))
         return routed
 
@@ -286,6 +288,8 @@ class DecisionService:
                 "hashes": list(f.hashes[:64]),
                 "chunks": len(f.hashes),
                 "prompt_bytes": f.prompt_bytes,
+                "reuse_available": r.reuse[0],  # prompt tokens held on the best eligible backend
+                "reuse_captured": r.reuse[1],  # ... on the chosen one, as the index said
             }
             for r, f in self._recent
         ]

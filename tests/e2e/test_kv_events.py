@@ -72,8 +72,31 @@ def test_a_prompt_a_backend_holds_is_routed_there_though_no_decision_put_it_ther
         )
         raw.parse()
         assert raw.headers["X-Kvgate-Backend"] == bid, raw.headers["X-Kvgate-Route"]
+    # A stream: the gateway asks the backend for its usage (to read the cached tokens) and strips it.
+    context = contexts["sim-1"]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages(context, "streamed?"),  # type: ignore[arg-type]
+        max_tokens=3,
+        stream=True,
+    )
+    chunks = list(stream)
+    assert chunks and all(c.usage is None for c in chunks)
+
+    # Each routed prompt's context was held where it went: the index predicted those tokens, and
+    # the engines' usage (prompt_tokens_details.cached_tokens) says they were served from cache
+    # (the reports reach the sidecar within Nginx's 100 ms flush).
+    def reuse() -> dict[str, float]:
+        text = http_json("GET", metrics)[1]
+        return {
+            k: sample(text, "kvgate_route_reuse_tokens_total", f'kind="{k}"')
+            for k in ("captured", "delivered")
+        }
+
+    wait_until(lambda: reuse()["delivered"] >= (N + 1) * 1400, timeout=5)
+    assert reuse()["captured"] >= (N + 1) * 1400, reuse()
     text = http_json("GET", metrics)[1]
-    assert sample(text, "kvgate_tokenize_total", 'result="ok"') >= N
+    assert sample(text, "kvgate_tokenize_total", 'result="ok"') >= N + 1
     assert sample(text, "kvgate_kv_index_view", 'backend="sim-0",view="full"') == 1.0
 
     # A prefix-cache reset sends AllBlocksCleared: the index forgets what sim-0 held.

@@ -49,7 +49,7 @@ local function run_protocol()
                                                    client_key = nn(f.client_key),
                                                    client_addr = nn(f.client_addr),
                                                    max_tokens = nn(f.max_tokens),
-                                                   priority = nn(f.priority) })
+                                                   priority = nn(f.priority), body = nn(case.body) })
     end
     for i, case in ipairs(g.report) do
         local items = {}
@@ -59,7 +59,8 @@ local function run_protocol()
             elseif o.kind == "end" then
                 items[j] = protocol.ended(nn(o.decision_id), o.backend, o.status, o.sent, nn(o.ttft),
                                           nn(o.duration), o.cut, nn(o.prompt_tokens),
-                                          nn(o.completion_tokens), nn(o.response_id))
+                                          nn(o.completion_tokens), nn(o.response_id),
+                                          nn(o.cached_tokens))
             elseif o.kind == "try" then
                 items[j] = protocol.tried(o.backend, o.status)
             else

@@ -44,6 +44,9 @@ FEATURES = [
     Features("m", "h:s", "header", (), 12, client_key="team-a", client_addr="10.0.0.7", max_tokens=64),
     Features("m", "p:0011223344556677", "prefix", (), 99, priority=-5),
 ]
+# With the exact index on, a decision carries the request's body (to be tokenized).
+BODY = '{"model":"m","messages":[{"role":"user","content":"héllo \\"there\\""}]}'
+DECIDES = [(f, None) for f in FEATURES] + [(Features("m", None, "none", (), len(BODY)), BODY)]
 OUTCOMES = [
     (Outcome.first("1a2b.5f3c.7", "sim-1"),),
     (Outcome.first("1a2b.5f3c.12", "sim-1", "resp_0f1e2d"),),  # a stored response, bound at once
@@ -53,6 +56,7 @@ OUTCOMES = [
     (Outcome.end("1a2b.5f3c.10", "sim-0", 200, True, 0.5, 0.75, cut=True),),
     (Outcome.end("1a2b.5f3c.11", "sim-0", 200, True, None, 0.5, False, 17, 64),),
     (Outcome.end("1a2b.5f3c.12", "sim-1", 200, True, None, 0.5, response_id="resp_0f1e2d"),),
+    (Outcome.end("1a2b.5f3c.13", "sim-0", 200, True, 0.2, 0.5, False, 40, 8, cached_tokens=32),),
     (Outcome.drop("1a2b.5f3c.8"),),
 ]
 FINGERPRINT = "1f2e3d4c5b6a7980"  # of the settings an Nginx was rendered with
@@ -125,6 +129,7 @@ def outcome(o: Outcome) -> dict[str, object]:
         "prompt_tokens": o.prompt_tokens,
         "completion_tokens": o.completion_tokens,
         "response_id": o.response_id,
+        "cached_tokens": o.cached_tokens,
     }
 
 
@@ -167,9 +172,10 @@ def main() -> None:
             {
                 "id": f"1a2b.5f3c.{i}",
                 "features": features(f),
-                "wire": protocol.encode_message(Decide(f"1a2b.5f3c.{i}", f)),
+                "body": body,
+                "wire": protocol.encode_message(Decide(f"1a2b.5f3c.{i}", f, body)),
             }
-            for i, f in enumerate(FEATURES)
+            for i, (f, body) in enumerate(DECIDES)
         ],
         "report": [
             {"outcomes": [outcome(o) for o in batch], "wire": protocol.encode_message(Report(batch))}
