@@ -10,6 +10,7 @@ already), so every decision pays its Redis round trip.
     python -m kvgate_bench.decision_latency --sizes 1024 51200 512000
     python -m kvgate_bench.decision_latency --backends 1000 --sessions 1000000
     python -m kvgate_bench.decision_latency --burst 64    # 64 decisions at once, as a client burst
+    python -m kvgate_bench.decision_latency --exact       # bodies tokenized for the exact index
     python -m kvgate_bench.decision_latency --burst 64 \
         --trace kvgate_bench/traces/mooncake_conversation_trace.jsonl  # the trace prompts, new, returning
 
@@ -20,6 +21,11 @@ must fit in) and the sidecar's CPU per decision in a burst: the sidecar decides 
 so a burst of N needs about N times that of one core before its last answer. With ``--trace``, the
 bursts are the trace's requests in order, sent twice over: new prompts, then the same ones returning
 (what a load level meets when it repeats the previous level's requests).
+
+With ``--exact`` the simulators publish KV events and the backends declare them, so each decision
+carries its request's body as Nginx sends it then: the sidecar has a simulator's /tokenize give the
+token ids and computes vLLM's block hashes (sequential mode). Half the prompts are sent to a
+simulator first (untimed), so their lookups hash the whole held prompt, the worst case.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import gc
 import json
 import statistics
 import time
+import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,6 +61,14 @@ def preload_sessions(port: int, n: int, backends: int) -> float:
     pipe.execute()
     r.close()
     return time.perf_counter() - t0
+
+
+def place(url: str, body: dict[str, Any]) -> None:
+    """Send ``body`` to a simulator directly, so that it holds the prompt (and says so in events)."""
+    data = json.dumps({**body, "max_tokens": 1}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        resp.read()
 
 
 def prompt(i: int, size: int) -> dict[str, Any]:
@@ -165,6 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--event-loop", choices=("asyncio", "uvloop"), default="asyncio", help="the sidecar's loop"
     )
+    p.add_argument("--exact", action="store_true", help="exact index: bodies tokenized, hashes looked up")
     p.add_argument("--out", default="bench-results/decision_latency.json")
     args = p.parse_args(argv)
     out_dir = Path(args.out).parent
@@ -180,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sup.start_redis(redis_port)
         sims = min(args.backends, 8)
         sim_port = free_ports(sims)
-        sup.start_sim(sim_port, sims, "sim", "--model", "bench-model")
+        events = free_ports(sims) if args.exact else None
+        publish = ("--kv-events-port", str(events)) if events is not None else ()
+        sup.start_sim(sim_port, sims, "sim", "--model", "bench-model", *publish)
         if args.sessions:
             took = preload_sessions(redis_port, args.sessions, args.backends)
             print(f"preloaded {args.sessions:,} sessions in {took:.1f}s")
@@ -192,8 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "scrape": {"interval_ms": 60_000, "timeout_ms": 5_000, "stale_after_ms": 600_000},
             "backends": [
                 {"id": f"b-{i}", "url": f"http://127.0.0.1:{sim_port + i % sims}"}
+                | ({} if events is None else {"kv_events": f"tcp://127.0.0.1:{events + i % sims}"})
                 for i in range(args.backends)
             ],
+            # The default 30 ms budget, said out loud: a decision never waits longer for token ids.
+            "kv_index": {"tokenize_timeout_ms": 30},
         }
         replica = launch_replica(sup, "bench", config)
         pid = sup.procs[replica.sidecar_name].pid
@@ -225,7 +246,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 text = (f"conversation {i} " + "lorem ipsum dolor sit amet " * (words // 5 + 1))[:size]
                 body = {"model": "bench-model", "messages": [{"role": "user", "content": text}]}
                 key = f"preloaded-{i}" if args.sessions and i % 2 == 0 else f"new-{size}-{i}"
-                msg = protocol.encode_message(Decide(client.next_id(), extract(body, {"X-Session-ID": key})))
+                sent = None
+                if args.exact:
+                    sent = json.dumps(body)
+                    if i % 2 == 1:  # held by a backend: its lookup hashes the whole prompt
+                        place(f"http://127.0.0.1:{sim_port + i % sims}", body)
+                msg = protocol.encode_message(
+                    Decide(client.next_id(), extract(body, {"X-Session-ID": key}), sent)
+                )
                 t0 = time.perf_counter()
                 raw = client.send_raw(msg)
                 samples.append(time.perf_counter() - t0)

@@ -1,6 +1,8 @@
 """The exact index: events applied per backend, sequence numbers (gaps, restarts, replays seen
 twice), staleness from the scraped misses, and its memory bound."""
 
+from collections.abc import Iterator
+
 from kvgate.exact_index import Applied, ExactIndex, View
 from kvgate.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -111,3 +113,18 @@ def test_forget() -> None:
     ix.apply("a", 0, stored(1))
     ix.forget("a")
     assert ix.view("a") is View.NONE and ix.next_seq("a") is None and ix.last_event("a") is None
+
+
+def test_a_lookup_reads_the_chain_no_further_than_some_backend_holds_it() -> None:
+    ix = ExactIndex()
+    ix.apply("a", 0, stored(1, 2, 3))
+    ix.apply("b", 0, stored(1, 2))
+    read: list[int] = []
+
+    def chain() -> Iterator[int]:
+        for h in range(1, 1000):
+            read.append(h)
+            yield h
+
+    assert ix.depths(["a", "b", "c"], chain()) == {"a": 3, "b": 2, "c": 0}
+    assert read == [1, 2, 3, 4]  # block 4 is held nowhere: the other 995 are never hashed

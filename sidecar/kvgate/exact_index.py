@@ -168,20 +168,22 @@ class ExactIndex:
         b = self._b.get(backend)
         return b.block_size if b is not None else 0
 
-    def depth(self, backend: str, hashes: Sequence[int]) -> int:
+    def depth(self, backend: str, hashes: Iterable[int]) -> int:
         """Leading blocks of ``hashes`` the backend holds (on any of its ranks)."""
-        b = self._b.get(backend)
-        if b is None:
-            return 0
-        best = 0
-        for held in b.ranks.values():
-            n = 0
-            for h in hashes:
-                if h not in held:
-                    break
-                n += 1
-            best = max(best, n)
-        return best
+        return self.depths([backend], hashes).get(backend, 0)
+
+    def depths(self, backends: Sequence[str], hashes: Iterable[int]) -> dict[str, int]:
+        """Leading blocks of ``hashes`` each backend holds; reads ``hashes`` only as far as some
+        backend (rank) still holds every block so far, so a lazy chain is hashed no further."""
+        live = [(bid, held) for bid in backends if (b := self._b.get(bid)) for held in b.ranks.values()]
+        out = dict.fromkeys(backends, 0)
+        for n, h in enumerate(hashes, 1):
+            live = [(bid, held) for bid, held in live if h in held]
+            if not live:
+                break
+            for bid, _ in live:
+                out[bid] = n
+        return out
 
     def size(self, backend: str) -> int:
         b = self._b.get(backend)

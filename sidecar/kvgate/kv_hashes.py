@@ -13,20 +13,24 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 NONE_DIGEST = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
 
 
 def chain(tokens: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
     """The event hashes of the full blocks of ``tokens`` (at most ``limit`` of them)."""
+    return list(lazy_chain(tokens, block_size, limit))
+
+
+def lazy_chain(tokens: Sequence[int], block_size: int, limit: int | None = None) -> Iterator[int]:
+    """``chain`` one block at a time: a lookup stops hashing at the first block no backend holds
+    (a block costs ~2 us; a 50 KB prompt's 800 blocks of 16 tokens, 1.5 ms)."""
     n = len(tokens) // block_size
     if limit is not None:
         n = min(n, limit)
-    out: list[int] = []
     parent = NONE_DIGEST
     for i in range(n):
         block = tuple(tokens[i * block_size : (i + 1) * block_size])
         parent = hashlib.sha256(pickle.dumps((parent, block, None), protocol=5)).digest()
-        out.append(int.from_bytes(parent[-8:], "big"))
-    return out
+        yield int.from_bytes(parent[-8:], "big")

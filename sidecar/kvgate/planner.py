@@ -15,7 +15,7 @@ from kvgate.config import Config, PolicyName
 from kvgate.exact_index import ExactIndex, View
 from kvgate.features import CHUNK_BYTES, Features
 from kvgate.first_byte import FirstByteBudget
-from kvgate.kv_hashes import chain
+from kvgate.kv_hashes import lazy_chain
 from kvgate.messages import Candidate
 from kvgate.metrics import SidecarMetrics
 from kvgate.policies import Decision, Request, Snapshot, decide, uncached_tokens
@@ -137,25 +137,18 @@ class Planner:
         When every backend has a full view, the part every one of them holds is the shared part."""
         exact = self.exact
         assert exact is not None
-        chains: dict[int, list[int]] = {}
+        by_size: dict[int, list[str]] = {}  # the backends with a view, by their block size
+        views = {n: exact.view(n) for n in snap.nodes}
+        for n, view in views.items():
+            if view in (View.FULL, View.PARTIAL):
+                by_size.setdefault(exact.block_size(n), []).append(n)
         depth = dict(approx)
-        all_full = True
-        for n in snap.nodes:
-            view = exact.view(n)
-            if view not in (View.FULL, View.PARTIAL):
-                all_full = False
-                continue
-            size = exact.block_size(n)
-            hashes = chains.get(size)
-            if hashes is None:
-                hashes = chains[size] = chain(tokens, size, (len(tokens) - 1) // size)
-            held = exact.depth(n, hashes) * size
-            chunks = int(held * f.bytes_per_token / CHUNK_BYTES)
-            if view is View.FULL:
-                depth[n] = chunks
-            else:
-                all_full = False
-                depth[n] = max(chunks, approx.get(n, 0))
+        all_full = all(v is View.FULL for v in views.values())
+        for size, nodes in by_size.items():
+            held = exact.depths(nodes, lazy_chain(tokens, size, (len(tokens) - 1) // size))
+            for n, blocks in held.items():
+                chunks = int(blocks * size * f.bytes_per_token / CHUNK_BYTES)
+                depth[n] = chunks if views[n] is View.FULL else max(chunks, approx.get(n, 0))
         if all_full:
             shared = min(depth.get(n, 0) for n in snap.nodes)
         return depth, shared
