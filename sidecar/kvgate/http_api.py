@@ -270,4 +270,22 @@ class HttpApi:
         return web.json_response(body)
 
     async def recent(self, request: web.Request) -> web.Response:
-        return web.json_response({"decisions": self.service.recent()})
+        """The last decisions, oldest first."""
+        decisions = [
+            {
+                "id": r.decision_id,
+                "policy": r.policy.value,
+                "route": r.decision.label,
+                "candidates": list(r.decision.candidates),
+                "model": f.model,
+                "key": f.key,
+                "key_source": f.key_source,
+                "hashes": list(f.hashes[:64]),
+                "chunks": len(f.hashes),
+                "prompt_bytes": f.prompt_bytes,
+                "reuse_available": r.reuse[0],  # prompt tokens held on the best eligible backend
+                "reuse_captured": r.reuse[1],  # ... on the chosen one, as the index said
+            }
+            for r, f in self.service.recent
+        ]
+        return web.json_response({"decisions": decisions})

@@ -22,7 +22,6 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from kvgate.admission import MAX_ADMITTED, Admission, RateLimited, UnknownModel
 from kvgate.affinity import Affinity
@@ -87,8 +86,8 @@ class DecisionService:
         )
         self._wake: asyncio.Event | None = None  # live: sets off the dispatcher (dispatch_loop)
         self._seq = itertools.count(1)
-        # For GET /debug/decisions; kept as they are and formatted only when asked for.
-        self._recent: deque[tuple[Routed, Features]] = deque(maxlen=RECENT_DECISIONS)
+        # For GET /debug/decisions (formatted there, by kvgate.http_api, only when asked for).
+        self.recent: deque[tuple[Routed, Features]] = deque(maxlen=RECENT_DECISIONS)
 
     def policy_for(self, model: str | None) -> PolicyName:
         r = self.config.routing
@@ -181,7 +180,7 @@ class DecisionService:
         routed = self.planner.routed(did, policy, plan, priority, (primary, uncached(primary)))
         self.metrics.reuse_tokens.labels("available").inc(routed.reuse[0])
         self.metrics.reuse_tokens.labels("captured").inc(routed.reuse[1])
-        self._recent.append((routed, f))
+        self.recent.append((routed, f))
         return routed
 
     # -- the gateway queue ---------------------------------------------------------------------------
@@ -270,29 +269,9 @@ class DecisionService:
             "rate_limit_identities": len(self.limiter) if self.limiter is not None else 0,
             "queue_waiting": len(self.queue) if self.queue is not None else 0,
             "queue_keys_waiting": self.queue.keys_waiting() if self.queue is not None else 0,
-            "recent_decisions": len(self._recent),
+            "recent_decisions": len(self.recent),
             "models_learned": len(self.tokens.learned),
         }
-
-    def recent(self) -> list[dict[str, Any]]:
-        """The last decisions, oldest first, as ``GET /debug/decisions`` shows them."""
-        return [
-            {
-                "id": r.decision_id,
-                "policy": r.policy.value,
-                "route": r.decision.label,
-                "candidates": list(r.decision.candidates),
-                "model": f.model,
-                "key": f.key,
-                "key_source": f.key_source,
-                "hashes": list(f.hashes[:64]),
-                "chunks": len(f.hashes),
-                "prompt_bytes": f.prompt_bytes,
-                "reuse_available": r.reuse[0],  # prompt tokens held on the best eligible backend
-                "reuse_captured": r.reuse[1],  # ... on the chosen one, as the index said
-            }
-            for r, f in self._recent
-        ]
 
     def report(self, outcomes: Iterable[Outcome]) -> None:
         """Nginx's outcome reports (``kvgate.outcomes``); what they freed may let a queued request go."""
