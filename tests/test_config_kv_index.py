@@ -41,5 +41,7 @@ def test_discovered_backends_get_their_publishers_from_ports() -> None:
 def test_ranges_are_checked() -> None:
     with pytest.raises(ConfigError, match=r"kv_index\.max_blocks"):
         Config.from_mapping({"backends": [{"url": "http://a:1"}], "kv_index": {"max_blocks": 10}})
+    with pytest.raises(ConfigError, match=r"kv_index\.tokenizer_files: expected a mapping of model"):
+        Config.from_mapping({"backends": [{"url": "http://a:1"}], "kv_index": {"tokenizer_files": ["/m"]}})
     with pytest.raises(ConfigError, match=r"kv_index\.tokenizer"):
         Config.from_mapping({"backends": [{"url": "http://a:1"}], "kv_index": {"tokenizer": "magic"}})

@@ -10,7 +10,7 @@ import json
 import aiohttp
 from kvgate.config import Config
 from kvgate.sidecar import build_sidecar
-from kvgate.tokenize import RemoteTokenizer, token_ids, tokenize_request
+from kvgate.tokenize import TokenSource, token_ids, tokenize_request
 from kvgate.tools.readiness import free_port
 
 from vllm_sim import tokenizer
@@ -67,7 +67,7 @@ def test_a_simulators_tokenize_gives_the_ids_its_engine_uses_and_a_slow_one_is_g
         sc.registry.backends["s"].healthy = True
         try:
             async with aiohttp.ClientSession() as session:
-                tok = RemoteTokenizer(cfg.kv_index, sc.registry, sc.metrics, session)
+                tok = TokenSource(cfg.kv_index, sc.registry, sc.metrics, session)
                 ids = await tok.tokens(MODEL, json.dumps(CHAT))
                 assert ids == tuple(tokenizer.encode(tokenizer.render_chat(CHAT["messages"])))
                 # A backend that accepts the connection and never answers: given up after 200 ms.

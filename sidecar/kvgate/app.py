@@ -38,7 +38,7 @@ from kvgate.replicas import join, replica_id, replicas_loop
 from kvgate.scraper import LoadUnknown, Unhealthy, scrape, served_models
 from kvgate.service import DecisionService
 from kvgate.sidecar import build_sidecar
-from kvgate.tokenize import RemoteTokenizer
+from kvgate.tokenize import TokenSource
 from kvgate.tokens import TokenEstimator
 
 logger = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
                     replicas_loop(client, config.redis.prefix, me, registry, sessions), name="replicas"
                 )
             )
-        service.tokenizer = RemoteTokenizer(config.kv_index, registry, metrics, session)
+        service.tokenizer = TokenSource(config.kv_index, registry, metrics, session)
         subscriber = KvSubscriber(core.exact, metrics, config.kv_index.replay_timeout_s, registry)
         tasks.append(asyncio.create_task(subscriber.run(), name="kv-events"))
         if core.service.limiter is not None:

@@ -39,7 +39,7 @@ from kvgate.prefix_index import PrefixIndex
 from kvgate.queue import GatewayQueue, QueueFull, QueueTimeout, Waiting
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
-from kvgate.tokenize import RemoteTokenizer
+from kvgate.tokenize import TokenSource
 from kvgate.tokens import TokenEstimator
 
 __all__ = ["DecisionService", "Queued", "RateLimited", "Routed", "UnknownModel"]
@@ -75,7 +75,7 @@ class DecisionService:
         self.index = index
         self.metrics = metrics
         self.tokens = tokens if tokens is not None else TokenEstimator(config.tokens)
-        self.tokenizer: RemoteTokenizer | None = None  # set by the app, which owns the HTTP session
+        self.tokenizer: TokenSource | None = None  # set by the app, which owns the HTTP session
         self.first_byte = FirstByteBudget(config.gateway)
         self.queue = GatewayQueue(config.queue) if config.queue.enabled else None
         self.admission = Admission(config, metrics, limiter)

@@ -1,4 +1,5 @@
-"""A prompt's token ids for the exact index, from the model's own tokenizer: a backend's /tokenize.
+"""A prompt's token ids for the exact index, from the model's own tokenizer: in the sidecar when
+``kv_index.tokenizer_files`` names it (``kvgate.local_tokenizer``), else a backend's /tokenize.
 
 The exact index is keyed by vLLM's block hashes, which are computed over token ids after the chat
 template, so only the model's own tokenizer and template give the right ones. vLLM serves both on
@@ -14,6 +15,7 @@ block), images or audio (their hashes are extra keys too), prompts given as toke
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -25,6 +27,7 @@ import aiohttp
 
 from kvgate.config import KvIndexConfig
 from kvgate.features import Features
+from kvgate.local_tokenizer import LocalTokenizer
 from kvgate.metrics import SidecarMetrics
 from kvgate.registry import Registry
 
@@ -67,7 +70,7 @@ def token_ids(answer: Any) -> tuple[int, ...] | None:
     return tuple(tokens)
 
 
-class RemoteTokenizer:
+class TokenSource:
     def __init__(
         self,
         config: KvIndexConfig,
@@ -80,6 +83,7 @@ class RemoteTokenizer:
         self.metrics = metrics
         self.session = session
         self._turn = itertools.count()
+        self.local = {model: LocalTokenizer(d) for model, d in config.tokenizer_files.items()}
 
     def _backend(self, model: str | None) -> str | None:
         """A healthy backend that publishes events and serves ``model``, in turn."""
@@ -100,11 +104,28 @@ class RemoteTokenizer:
         ids = await self.tokens(f.model, body_text)
         return dataclasses.replace(f, token_ids=ids) if ids else f
 
+    async def _local(self, local: LocalTokenizer, request: dict[str, Any]) -> tuple[int, ...] | None:
+        try:
+            async with asyncio.timeout(self.config.tokenize_timeout_s):
+                ids = await local.tokens(request)
+        except TimeoutError:
+            self.metrics.tokenize.labels("timeout").inc()  # the thread finishes; its answer is unused
+            return None
+        except Exception as exc:  # a template that fails on these messages
+            self.metrics.tokenize.labels("error").inc()
+            logger.debug("local tokenizer failed: %s", exc)
+            return None
+        self.metrics.tokenize.labels("ok" if ids else "skipped").inc()
+        return ids or None
+
     async def tokens(self, model: str | None, body_text: str) -> tuple[int, ...] | None:
         if len(body_text) > self.config.max_prompt_bytes:
             self.metrics.tokenize.labels("skipped").inc()
             return None
         request = tokenize_request(body_text)
+        local = self.local.get(model) if model is not None else None
+        if request is not None and local is not None:
+            return await self._local(local, request)
         bid = self._backend(model) if request is not None else None
         if request is None or bid is None:
             self.metrics.tokenize.labels("skipped").inc()

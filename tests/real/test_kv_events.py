@@ -12,8 +12,10 @@ import pytest
 import zmq
 from kvgate.kv_events import BlockRemoved, BlockStored, decode
 from kvgate.kv_hashes import chain
+from kvgate.local_tokenizer import LocalTokenizer
 
 from tests.real.conftest import BLOCK_SIZE, MODEL, Gateway, RealFleet, Tokens, post
+from vllm_real.fleet import MODEL_DIR
 
 pytestmark = pytest.mark.real
 
@@ -92,3 +94,21 @@ def test_the_exact_index_finds_a_prompt_where_a_real_server_holds_it(
         assert gw.sidecar_metric('kvgate_tokenize_total{result="ok"}') >= len(contexts)
     finally:
         gw.stop()
+
+
+def test_the_sidecars_own_tokenizer_gives_the_ids_vllm_gives(fleet: RealFleet, tokens: Tokens) -> None:
+    local = LocalTokenizer(MODEL_DIR)
+    msgs = [
+        {"role": "system", "content": tokens.text(300, 7)},
+        {"role": "user", "content": "what is " + tokens.text(20, 8) + "?"},
+        {"role": "assistant", "content": tokens.text(30, 9)},
+        {"role": "user", "content": "and then?"},
+    ]
+    for request in (
+        {"messages": msgs},
+        {"messages": msgs, "add_generation_prompt": False},
+        {"prompt": "Once upon"},
+    ):
+        status, _, answer = post(fleet.urls[0] + "/tokenize", {"model": MODEL, **request})
+        assert status == 200, answer
+        assert local.encode(request) == tuple(answer["tokens"]), request
