@@ -1,11 +1,13 @@
-"""KV events from real vLLM servers: kvgate's block hashes are the ones vLLM publishes, and a
-gateway with the exact index finds a prompt on the server that holds it, though no routing
-decision ever put it there (it was sent to that server directly)."""
+"""KV events from real vLLM servers: kvgate's block hashes are the ones vLLM publishes; the
+sidecar's own tokenizer gives the ids vLLM's /tokenize gives; a gateway with the exact index finds a
+prompt on the server that holds it, though no routing decision ever put it there (it was sent to
+that server directly); and a server restarted is cleared from the index and filled again."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,7 +16,7 @@ from kvgate.kv_events import BlockRemoved, BlockStored, decode
 from kvgate.kv_hashes import chain
 from kvgate.local_tokenizer import LocalTokenizer
 
-from tests.real.conftest import BLOCK_SIZE, MODEL, Gateway, RealFleet, Tokens, post
+from tests.real.conftest import BLOCK_SIZE, MODEL, Gateway, RealFleet, Tokens, get_text, post
 from vllm_real.fleet import MODEL_DIR
 
 pytestmark = pytest.mark.real
@@ -112,3 +114,50 @@ def test_the_sidecars_own_tokenizer_gives_the_ids_vllm_gives(fleet: RealFleet, t
         status, _, answer = post(fleet.urls[0] + "/tokenize", {"model": MODEL, **request})
         assert status == 200, answer
         assert local.encode(request) == tuple(answer["tokens"]), request
+
+
+def test_a_restarted_server_is_cleared_from_the_index_and_filled_again(
+    fleet: RealFleet, tokens: Tokens
+) -> None:
+    backends = [
+        {"id": f"vllm-{i}", "url": url, "kv_events": f"tcp://127.0.0.1:{fleet.specs[i].kv_events_port}"}
+        for i, url in enumerate(fleet.urls)
+    ]
+    gw = Gateway(fleet.sup, "exact-restart", backends)
+    held = 'kvgate_kv_index_blocks{backend="vllm-1"}'
+
+    def place(n_tokens: int) -> None:
+        context = tokens.text(n_tokens, uuid.uuid4().int % 10**9)
+        status, _, answer = post(fleet.urls[1] + "/v1/chat/completions", chat_body(messages(context, "q")))
+        assert status == 200, answer
+
+    def wait_for(cond: Callable[[], bool], seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        lines = get_text(gw.sidecar + "/metrics").splitlines()
+        assert cond(), "\n".join(
+            x for x in lines if "kv_" in x and not x.startswith("#") and "_created" not in x
+        )
+
+    try:
+        time.sleep(1.0)  # the sidecar's subscription is up
+        place(2500)
+        wait_for(lambda: gw.sidecar_metric(held) >= 2500 // BLOCK_SIZE - 1, 15)
+        before = gw.sidecar_metric(held)
+        fleet.fleet.stop(1)
+        fleet.fleet.restart(1)  # a new engine: its cache is empty, its sequence numbers start again
+        time.sleep(2.0)  # the subscription reconnects to the new publisher
+        place(600)
+        wait_for(
+            lambda: (
+                gw.sidecar_metric('kvgate_kv_event_messages_total{backend="vllm-1",result="restart"}') >= 1
+            ),
+            15,
+        )
+        # The old engine's blocks are gone, the new one's are in (the gauge follows within a second).
+        wait_for(lambda: 600 // BLOCK_SIZE - 1 <= gw.sidecar_metric(held) < before, 15)
+    finally:
+        gw.stop()
+        if fleet.sup.procs.get(fleet.fleet.names[1]) is None:
+            fleet.fleet.restart(1)
