@@ -24,13 +24,6 @@ from kvgate.metrics import SidecarMetrics
 MAX_ADMITTED = 100_000  # decisions whose token count awaits its correction (bounded: reports can be lost)
 
 
-class UnknownModel(Exception):
-    """No backend serves the model; the message is vLLM's own (0.32 names the models it serves)."""
-
-    def __init__(self, model: str, served: list[str]) -> None:
-        super().__init__(f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.")
-
-
 class RateLimited(Exception):
     def __init__(self, retry_after: float) -> None:
         super().__init__(f"rate limited; retry after {retry_after:.0f}s")

@@ -31,6 +31,7 @@ def gateway_settings(config: Config) -> dict[str, Any]:
     """What Nginx takes from a kvgate config (``NginxSettings.from_config``), without the socket path
     (a container or ``kvgate up`` may resolve it differently, and a wrong one cannot go unnoticed)."""
     g = config.gateway
+    body_bytes = tokenize_bytes(config)
     return {
         "session_header": config.routing.session_header,
         "max_tries": config.routing.max_candidates,
@@ -49,10 +50,10 @@ def gateway_settings(config: Config) -> dict[str, Any]:
         "queue": config.queue.enabled,
         "queue_heartbeat_ms": round(config.queue.heartbeat_s * 1000),
         "edge_access": g.edge_access or "",
-        "tokenize_bytes": tokenize_bytes(config),
+        "tokenize_bytes": body_bytes,
         # Nginx reads each response's usage: rate limits count its tokens, the exact index its
         # cached tokens (what the engine delivered against what the index predicted).
-        "usage": config.limited or tokenize_bytes(config) > 0,
+        "usage": config.limited or body_bytes > 0,
     }
 
 

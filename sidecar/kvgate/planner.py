@@ -112,12 +112,12 @@ class Planner:
         depth: dict[str, int] = {}
         shared = 0
         match = None
-        uses_index = policy in (PolicyName.KVGATE, PolicyName.PREFIX)
+        uses_index = policy.reads_prefixes
         if uses_index and f.hashes and snap.nodes:
             match = self.index.match(f.hashes, snap.nodes)
             depth, shared = match.depth, match.shared
         if uses_index and f.token_ids and self.exact is not None and snap.nodes:
-            depth, shared = self._exact_depths(f, f.token_ids, snap, depth, shared)
+            depth, shared = self._exact_depths(self.exact, f, f.token_ids, snap, depth, shared)
         keyed = policy is PolicyName.KVGATE and f.key is not None and bool(snap.nodes)
         bound, confirmed = None, True
         if keyed and f.key:
@@ -128,15 +128,19 @@ class Planner:
         req = Request(f, seq, bound, depth, shared)
         return Plan(snap, req, decide(policy, req, snap, limit), pool, confirmed=confirmed, matched=match)
 
+    @staticmethod
     def _exact_depths(
-        self, f: Features, tokens: tuple[int, ...], snap: Snapshot, approx: dict[str, int], shared: int
+        exact: ExactIndex,
+        f: Features,
+        tokens: tuple[int, ...],
+        snap: Snapshot,
+        approx: dict[str, int],
+        shared: int,
     ) -> tuple[dict[str, int], int]:
         """Each backend's held prefix from its KV events, in the approximate index's unit (chunks of
         the prompt's bytes, so the policy weighs both alike). A backend whose view is partial gets the
         deeper of the two views; one with no view, or a stale one, keeps the approximate depth.
         When every backend has a full view, the part every one of them holds is the shared part."""
-        exact = self.exact
-        assert exact is not None
         by_size: dict[int, list[str]] = {}  # the backends with a view, by their block size
         views = {n: exact.view(n) for n in snap.nodes}
         for n, view in views.items():

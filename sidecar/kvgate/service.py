@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvgate.admission import MAX_ADMITTED, Admission, RateLimited, UnknownModel
+from kvgate.admission import MAX_ADMITTED, Admission, RateLimited
 from kvgate.affinity import Affinity
 from kvgate.config import Config, PolicyName
 from kvgate.exact_index import ExactIndex
@@ -46,6 +46,13 @@ __all__ = ["DecisionService", "Queued", "RateLimited", "Routed", "UnknownModel"]
 
 logger = logging.getLogger(__name__)
 RECENT_DECISIONS = 256  # kept for GET /debug/decisions
+
+
+class UnknownModel(Exception):
+    """No backend serves the model; the message is vLLM's own (0.32 names the models it serves)."""
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        super().__init__(f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +114,12 @@ class DecisionService:
         seq = next(self._seq)
         did = decision_id if decision_id is not None else f"s{seq}"
         f = self.calibrated(f)
-        if body is not None and self.tokenizer is not None:
-            f = await self.tokenizer.with_tokens(f, body)
         if not dry_run:
             self.admission.admit(did, f)
         policy = self.policy_for(f.model)
+        # Token ids only once admitted, and only for a policy that reads the prefix index.
+        if body is not None and self.tokenizer is not None and policy.reads_prefixes:
+            f = await self.tokenizer.with_tokens(f, body)
         priority = self.admission.priority_of(f)
         plan = await self.planner.plan(f, policy, seq, dry_run)
         if not plan.decision.candidates:
@@ -173,7 +181,7 @@ class DecisionService:
             if decision.candidates[0] != primary:
                 primary = decision.candidates[0]
                 self.registry.ledger.move(did, primary, uncached(primary))
-        if f.hashes and policy in (PolicyName.KVGATE, PolicyName.PREFIX):
+        if f.hashes and policy.reads_prefixes:
             self.index.record(f.hashes, primary, plan.matched)
         self.metrics.decisions.labels(policy.value, decision.label).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - t0)

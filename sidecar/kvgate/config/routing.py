@@ -21,6 +21,11 @@ class PolicyName(str, Enum):
     PREFIX = "prefix"
     KVGATE = "kvgate"
 
+    @property
+    def reads_prefixes(self) -> bool:
+        """Whether the policy weighs the prefix index (so its decisions are recorded there)."""
+        return self in (PolicyName.KVGATE, PolicyName.PREFIX)
+
 
 @dataclass(frozen=True, slots=True)
 class OutlierConfig:
