@@ -34,13 +34,14 @@ from kvgate.public import (
     SessionAction,
     build_sidecar,
     extract,
+    kv_events,
 )
 
-from kvgate_bench.kv_events import kv_batch
 from kvgate_bench.report import DEFAULT_SLO, Sample, Slo, Summary, summarize
 from kvgate_bench.workloads import BenchRequest
 from vllm_sim.engine import Engine
 from vllm_sim.kv_cache import KvEvent
+from vllm_sim.kv_publisher import encode_batch
 from vllm_sim.profiles import Profile
 from vllm_sim.request import EngineConfig, Request, SchedulingPolicy, TokenEvent
 
@@ -321,7 +322,8 @@ def replay(
         elif kind == "step":
             i = payload
             if kv_pending[i]:  # the events of the step that ends now reach the sidecar
-                core.exact.apply(ids[i], kv_seq[i], kv_batch(kv_pending[i]))
+                # Through the wire format: the publisher's encoding, the subscriber's decoder.
+                core.exact.apply(ids[i], kv_seq[i], kv_events.decode(encode_batch(kv_pending[i])))
                 kv_seq[i] += 1
                 kv_pending[i] = []
             for ev in pending[i]:

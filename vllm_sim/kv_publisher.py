@@ -51,6 +51,11 @@ def _event(ev: KvEvent, encoding: str) -> Any:
     return {"type": tag, **fields}
 
 
+def encode_batch(events: list[KvEvent], encoding: str = "map") -> bytes:
+    """One step's events as a message's payload: ``[ts, [event, ...], data_parallel_rank]``."""
+    return msgpack.packb([time.time(), [_event(e, encoding) for e in events], None])  # type: ignore[no-any-return]
+
+
 class KvPublisher:
     def __init__(
         self,
@@ -87,7 +92,7 @@ class KvPublisher:
     def publish(self, events: list[KvEvent]) -> None:
         if not events:
             return
-        payload = msgpack.packb([time.time(), [_event(e, self.encoding) for e in events], None])
+        payload = encode_batch(events, self.encoding)
         seq, self.seq = self.seq, self.seq + 1
         self.buffer.append((seq, payload))
         if self.skip_next > 0:

@@ -9,10 +9,9 @@ settings a gateway is rendered from, and the host measurements the load benchmar
 
 from __future__ import annotations
 
-from kvgate import protocol, version
+from kvgate import kv_events, protocol, version
 from kvgate.config import Config, PolicyName, hash_key
 from kvgate.features import Features, extract
-from kvgate.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvgate.load import Scraped
 from kvgate.looplag import SchedStat, read_schedstat
 from kvgate.messages import Decide, DecisionReply, Outcome, Report
@@ -26,13 +25,9 @@ from kvgate.sidecar import Sidecar, build_sidecar
 __all__ = [
     "DEBIAN_MODULES",
     "LUA_DIR",
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
     "Config",
     "Decide",
     "DecisionReply",
-    "EventBatch",
     "Features",
     "NginxSettings",
     "Outcome",
@@ -52,6 +47,7 @@ __all__ = [
     "extract",
     "find_nginx",
     "hash_key",
+    "kv_events",
     "protocol",
     "read_schedstat",
     "version",
