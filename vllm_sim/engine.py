@@ -243,12 +243,9 @@ class Engine:
         first = req.num_registered
         for b in range(first, full):
             self.pool.cache_block(req.blocks[b], req.hashes[b])
-        self.pool.stored(
-            req.hashes[first:full],
-            req.hashes[first - 1] if first else None,
-            req.tokens[first * bs : full * bs],
-            bs,
-        )
+        if self.pool.events is not None:  # a publisher listens (vllm-sim --kv-events-port)
+            parent = req.hashes[first - 1] if first else None
+            self.pool.stored(req.hashes[first:full], parent, req.tokens[first * bs : full * bs], bs)
         req.num_registered = full
 
     def _finish(self, req: Request, now: float, reason: str) -> None:

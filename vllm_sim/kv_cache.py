@@ -144,7 +144,7 @@ class BlockPool:
 
     def stored(self, hashes: Sequence[bytes], parent: bytes | None, tokens: Sequence[int], size: int) -> None:
         """Report blocks that became full and cached in one step of one request."""
-        if self.events is not None and hashes:
+        if self.events is not None and hashes:  # the caller skips the call when nobody listens
             ids = tuple(event_hash(h) for h in hashes)
             self.events.append(
                 Stored(ids, None if parent is None else event_hash(parent), tuple(tokens), size)

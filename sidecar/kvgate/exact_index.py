@@ -25,6 +25,7 @@ most likely gone).
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -119,7 +120,7 @@ class ExactIndex:
                     b.full = True  # empty now, and everything stored from here is reported
         over = len(held) - self.max_blocks
         if over > 0:
-            for h in list(_first(held, over)):
+            for h in list(itertools.islice(held, over)):
                 del held[h]
             self.dropped += over
 
@@ -188,13 +189,3 @@ class ExactIndex:
     def size(self, backend: str) -> int:
         b = self._b.get(backend)
         return sum(len(r) for r in b.ranks.values()) if b is not None else 0
-
-    def backends(self) -> Iterable[str]:
-        return self._b.keys()
-
-
-def _first(d: dict[int, int], n: int) -> Iterable[int]:
-    for i, k in enumerate(d):
-        if i >= n:
-            return
-        yield k

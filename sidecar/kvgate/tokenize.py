@@ -96,7 +96,6 @@ class TokenSource:
         ]
         if not ids:
             return None
-        ids.sort()
         return ids[next(self._turn) % len(ids)]
 
     async def with_tokens(self, f: Features, body_text: str) -> Features:
