@@ -4,7 +4,8 @@ socket; without one the view turns partial; a restarted publisher clears the bac
 floods are counted and bounded, and events keep flowing after them."""
 
 import asyncio
-from collections.abc import Callable, Coroutine
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import msgpack
@@ -45,6 +46,18 @@ def core(port: int, replay: int | None, max_blocks: int = 262_144) -> Sidecar:
     return sc
 
 
+@contextlib.asynccontextmanager
+async def subscribed(sc: Sidecar) -> AsyncIterator[KvSubscriber]:
+    """The sidecar's subscriber on a task of its own, as the app runs it; cancelled on the way out."""
+    sub = KvSubscriber(sc.exact, sc.metrics, 2.0, sc.registry)
+    task = asyncio.create_task(sub.run())
+    try:
+        yield sub
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 def run(case: Callable[[int], Coroutine[Any, Any, None]]) -> None:
     asyncio.run(case(free_ports(2)))
 
@@ -70,32 +83,29 @@ async def _a_late_join_and_a_gap_are_filled_from_the_replay_socket(ports: int) -
     pub.start()
     pub.publish([stored(1, 2)])  # before anyone listens: only the replay has it
     sc = core(ports, ports + 1)
-    sub = KvSubscriber(sc.exact, sc.metrics, 2.0, sc.registry)
-    task = asyncio.create_task(sub.run())
     try:
-        # ZMQ's subscription takes a moment to reach the publisher: publish until one arrives.
-        n = 10
-        while sc.exact.next_seq("sim-0") is None:
-            pub.publish([stored(n)])
-            n += 1
-            await asyncio.sleep(0.05)
-        await until(lambda: sc.exact.next_seq("sim-0") == pub.seq)
-        assert sc.exact.view("sim-0") is View.FULL  # the replay brought everything from seq 0
-        assert sc.exact.depth("sim-0", [1, 2]) == 2
-        assert count(sc, "kvgate_kv_event_replays_total", "sim-0", "filled") == 1
+        async with subscribed(sc):
+            # ZMQ's subscription takes a moment to reach the publisher: publish until one arrives.
+            n = 10
+            while sc.exact.next_seq("sim-0") is None:
+                pub.publish([stored(n)])
+                n += 1
+                await asyncio.sleep(0.05)
+            await until(lambda: sc.exact.next_seq("sim-0") == pub.seq)
+            assert sc.exact.view("sim-0") is View.FULL  # the replay brought everything from seq 0
+            assert sc.exact.depth("sim-0", [1, 2]) == 2
+            assert count(sc, "kvgate_kv_event_replays_total", "sim-0", "filled") == 1
 
-        pub.skip_next = 2  # two messages never reach the live stream
-        pub.publish([stored(100)])
-        pub.publish([Removed((1,))])
-        pub.publish([stored(101)])
-        await until(lambda: sc.exact.next_seq("sim-0") == pub.seq)
-        assert sc.exact.view("sim-0") is View.FULL
-        assert sc.exact.depth("sim-0", [100]) == 1 and sc.exact.depth("sim-0", [1]) == 0
-        assert count(sc, "kvgate_kv_event_replays_total", "sim-0", "filled") == 2
-        assert count(sc, "kvgate_kv_events_total", "sim-0", "BlockRemoved") == 1
+            pub.skip_next = 2  # two messages never reach the live stream
+            pub.publish([stored(100)])
+            pub.publish([Removed((1,))])
+            pub.publish([stored(101)])
+            await until(lambda: sc.exact.next_seq("sim-0") == pub.seq)
+            assert sc.exact.view("sim-0") is View.FULL
+            assert sc.exact.depth("sim-0", [100]) == 1 and sc.exact.depth("sim-0", [1]) == 0
+            assert count(sc, "kvgate_kv_event_replays_total", "sim-0", "filled") == 2
+            assert count(sc, "kvgate_kv_events_total", "sim-0", "BlockRemoved") == 1
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         await pub.close()
 
 
@@ -105,31 +115,28 @@ def test_without_a_replay_socket_a_gap_leaves_the_view_partial_and_a_restart_cle
 
 async def _without_a_replay_socket_a_gap_leaves_the_view_partial_and_a_restart_clears_it(ports: int) -> None:
     sc = core(ports, None)
-    sub = KvSubscriber(sc.exact, sc.metrics, 2.0, sc.registry)
-    task = asyncio.create_task(sub.run())
     pub = KvPublisher("127.0.0.1", ports)
     try:
-        while sc.exact.next_seq("sim-0") is None:
-            pub.publish([stored(1)])
-            await asyncio.sleep(0.05)
-        pub.skip_next = 1
-        pub.publish([stored(2)])
-        pub.publish([stored(3)])
-        await until(lambda: sc.exact.next_seq("sim-0") == pub.seq)
-        assert sc.exact.view("sim-0") is View.PARTIAL
-        assert sc.exact.depth("sim-0", [1]) == 1 and sc.exact.depth("sim-0", [2]) == 0
-        assert count(sc, "kvgate_kv_event_messages_total", "sim-0", "gap") >= 1
+        async with subscribed(sc):
+            while sc.exact.next_seq("sim-0") is None:
+                pub.publish([stored(1)])
+                await asyncio.sleep(0.05)
+            pub.skip_next = 1
+            pub.publish([stored(2)])
+            pub.publish([stored(3)])
+            await until(lambda: sc.exact.next_seq("sim-0") == pub.seq)
+            assert sc.exact.view("sim-0") is View.PARTIAL
+            assert sc.exact.depth("sim-0", [1]) == 1 and sc.exact.depth("sim-0", [2]) == 0
+            assert count(sc, "kvgate_kv_event_messages_total", "sim-0", "gap") >= 1
 
-        await pub.close()  # the engine restarts: a new publisher on the same port, from seq 0
-        pub = KvPublisher("127.0.0.1", ports)
-        while count(sc, "kvgate_kv_event_messages_total", "sim-0", "restart") == 0:
-            pub.publish([stored(7)])
-            await asyncio.sleep(0.05)
-        await until(lambda: sc.exact.next_seq("sim-0") == pub.seq)
-        assert sc.exact.depth("sim-0", [1]) == 0 and sc.exact.depth("sim-0", [7]) == 1
+            await pub.close()  # the engine restarts: a new publisher on the same port, from seq 0
+            pub = KvPublisher("127.0.0.1", ports)
+            while count(sc, "kvgate_kv_event_messages_total", "sim-0", "restart") == 0:
+                pub.publish([stored(7)])
+                await asyncio.sleep(0.05)
+            await until(lambda: sc.exact.next_seq("sim-0") == pub.seq)
+            assert sc.exact.depth("sim-0", [1]) == 0 and sc.exact.depth("sim-0", [7]) == 1
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         await pub.close()
 
 
@@ -139,42 +146,41 @@ def test_garbage_is_counted_and_a_flood_stays_within_the_bound() -> None:
 
 async def _garbage_is_counted_and_a_flood_stays_within_the_bound(ports: int) -> None:
     sc = core(ports, None, max_blocks=1024)
-    sub = KvSubscriber(sc.exact, sc.metrics, 2.0, sc.registry)
-    task = asyncio.create_task(sub.run())
     ctx = zmq.asyncio.Context()
     raw = ctx.socket(zmq.PUB)
     raw.setsockopt(zmq.LINGER, 0)
     raw.bind(f"tcp://127.0.0.1:{ports}")
     good = msgpack.packb([0.0, [{"type": "BlockStored", "block_hashes": [5], "block_size": 16}], None])
     try:
-        while sc.exact.next_seq("sim-0") is None:
-            await raw.send_multipart([b"t", (0).to_bytes(8, "big"), good])
-            await asyncio.sleep(0.05)
-        garbage = [
-            [b"t", b"\x00", good],  # a short sequence frame
-            [b"t", (1).to_bytes(8, "big"), b"\xc1\xc1"],  # not msgpack
-            [b"t", (1).to_bytes(8, "big"), msgpack.packb({"ts": "x"})],
-            [b"only one frame"],
-        ]
-        for frames in garbage:
-            await raw.send_multipart(frames)
-        await until(lambda: count(sc, "kvgate_kv_event_messages_total", "sim-0", "malformed") == 4)
-        seq = sc.exact.next_seq("sim-0") or 0
-        for i in range(200):  # 200 messages of 100 blocks: 20,000 hashes against a bound of 1,024
-            blocks = list(range(1000 + i * 100, 1100 + i * 100))
-            payload = msgpack.packb(
-                [0.0, [{"type": "BlockStored", "block_hashes": blocks, "block_size": 16}]]
+        async with subscribed(sc) as sub:
+            while sc.exact.next_seq("sim-0") is None:
+                await raw.send_multipart([b"t", (0).to_bytes(8, "big"), good])
+                await asyncio.sleep(0.05)
+            garbage = [
+                [b"t", b"\x00", good],  # a short sequence frame
+                [b"t", (1).to_bytes(8, "big"), b"\xc1\xc1"],  # not msgpack
+                [b"t", (1).to_bytes(8, "big"), msgpack.packb({"ts": "x"})],
+                [b"only one frame"],
+            ]
+            for frames in garbage:
+                await raw.send_multipart(frames)
+            await until(lambda: count(sc, "kvgate_kv_event_messages_total", "sim-0", "malformed") == 4)
+            seq = sc.exact.next_seq("sim-0") or 0
+            for i in range(200):  # 200 messages of 100 blocks: 20,000 hashes against a bound of 1,024
+                blocks = list(range(1000 + i * 100, 1100 + i * 100))
+                payload = msgpack.packb(
+                    [0.0, [{"type": "BlockStored", "block_hashes": blocks, "block_size": 16}]]
+                )
+                await raw.send_multipart([b"t", (seq + i).to_bytes(8, "big"), payload])
+            await until(lambda: sc.exact.next_seq("sim-0") == seq + 200)
+            assert sc.exact.size("sim-0") == 1024
+            assert sc.exact.depth("sim-0", [20999]) == 1  # the newest are kept
+            assert sc.exact.view("sim-0") is View.FULL  # the garbage did not break the sequence
+            sub.check()
+            assert (
+                sc.metrics.registry.get_sample_value("kvgate_kv_index_blocks", {"backend": "sim-0"}) == 1024
             )
-            await raw.send_multipart([b"t", (seq + i).to_bytes(8, "big"), payload])
-        await until(lambda: sc.exact.next_seq("sim-0") == seq + 200)
-        assert sc.exact.size("sim-0") == 1024
-        assert sc.exact.depth("sim-0", [20999]) == 1  # the newest are kept
-        assert sc.exact.view("sim-0") is View.FULL  # the garbage did not break the sequence
-        sub.check()
-        assert sc.metrics.registry.get_sample_value("kvgate_kv_index_blocks", {"backend": "sim-0"}) == 1024
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         ctx.destroy(linger=0)
 
 
@@ -185,17 +191,16 @@ def test_a_backend_that_leaves_is_unsubscribed_and_forgotten() -> None:
 async def _a_backend_that_leaves_is_unsubscribed_and_forgotten(ports: int) -> None:
     sc = core(ports, None)
     pub = KvPublisher("127.0.0.1", ports)
-    sub = KvSubscriber(sc.exact, sc.metrics, 2.0, sc.registry)
-    task = asyncio.create_task(sub.run())
     try:
-        while sc.exact.next_seq("sim-0") is None:
-            pub.publish([stored(1)])
-            await asyncio.sleep(0.05)
-        sc.registry.set_membership([])
-        sub.sync({})
-        assert sc.exact.view("sim-0") is View.NONE
-        assert sc.metrics.registry.get_sample_value("kvgate_kv_index_blocks", {"backend": "sim-0"}) is None
+        async with subscribed(sc) as sub:
+            while sc.exact.next_seq("sim-0") is None:
+                pub.publish([stored(1)])
+                await asyncio.sleep(0.05)
+            sc.registry.set_membership([])
+            sub.sync({})
+            assert sc.exact.view("sim-0") is View.NONE
+            assert (
+                sc.metrics.registry.get_sample_value("kvgate_kv_index_blocks", {"backend": "sim-0"}) is None
+            )
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
         await pub.close()

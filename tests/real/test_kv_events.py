@@ -22,6 +22,14 @@ from vllm_real.fleet import MODEL_DIR
 pytestmark = pytest.mark.real
 
 
+def publishing(fleet: RealFleet) -> list[dict[str, Any]]:
+    """The fleet's servers as a config's backends, each with its KV-event publisher."""
+    return [
+        {"id": f"vllm-{i}", "url": url, "kv_events": f"tcp://127.0.0.1:{fleet.specs[i].kv_events_port}"}
+        for i, url in enumerate(fleet.urls)
+    ]
+
+
 def messages(context: str, question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": context}, {"role": "user", "content": question}]
 
@@ -64,10 +72,7 @@ def test_kvgates_block_hashes_are_the_ones_vllm_publishes(fleet: RealFleet, toke
 def test_the_exact_index_finds_a_prompt_where_a_real_server_holds_it(
     fleet: RealFleet, tokens: Tokens
 ) -> None:
-    backends = [
-        {"id": f"vllm-{i}", "url": url, "kv_events": f"tcp://127.0.0.1:{fleet.specs[i].kv_events_port}"}
-        for i, url in enumerate(fleet.urls)
-    ]
+    backends = publishing(fleet)
     # The tokenize budget is generous: two CPU servers share this machine's cores with the test.
     gw = Gateway(
         fleet.sup,
@@ -119,11 +124,7 @@ def test_the_sidecars_own_tokenizer_gives_the_ids_vllm_gives(fleet: RealFleet, t
 def test_a_restarted_server_is_cleared_from_the_index_and_filled_again(
     fleet: RealFleet, tokens: Tokens
 ) -> None:
-    backends = [
-        {"id": f"vllm-{i}", "url": url, "kv_events": f"tcp://127.0.0.1:{fleet.specs[i].kv_events_port}"}
-        for i, url in enumerate(fleet.urls)
-    ]
-    gw = Gateway(fleet.sup, "exact-restart", backends)
+    gw = Gateway(fleet.sup, "exact-restart", publishing(fleet))
     held = 'kvgate_kv_index_blocks{backend="vllm-1"}'
 
     def place(n_tokens: int) -> None:
