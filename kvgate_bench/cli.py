@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import signal
 import sys
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ from kvgate.public import PolicyName, version
 
 from kvgate_bench import live, report
 from kvgate_bench.report import Progress, Summary
+from kvgate_bench.virtual_gateway import Spread
 from kvgate_bench.workloads import add_workload_args, build_workload
 
 if TYPE_CHECKING:
@@ -28,39 +30,43 @@ def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
     print(f"{len(reqs)} requests; computing features", file=sys.stderr)
     feats = virtual.features_for(reqs)
     head = report.header(argv)
+    spread = Spread(args.spread)
     for n in args.backends:
         cached = bounds.pooled_cache_ideal(reqs, n, profile)
         ideal = sum(cached) / max(1, sum(r.prompt_tokens for r in reqs))
         zero_q = bounds.zero_queue_ttft(reqs, cached, profile)
         rows: list[Summary] = []
         cdfs: dict[str, list[float]] = {}
-        for speedup in args.speedups:
-            for name in args.policies:
-                policy = PolicyName(name)
-                run = virtual.replay(
-                    reqs,
-                    feats,
-                    policy,
-                    n,
-                    profile,
-                    speedup,
-                    progress=Progress(f"{n} backends, {name}, x{speedup:g}"),
-                    extra=None if args.learn_tokens else {"tokens": {"learn": False}},
-                    frontend_per_token_s=args.frontend_per_token_us * 1e-6,
-                    index=args.index,
-                )
-                row = virtual.summarize_run(
-                    name, run, ideal, sum(zero_q) / len(zero_q), speedup, report.Slo.from_args(args)
-                )
-                rows.append(row)
-                if speedup == args.speedups[0]:
-                    cdfs[name] = [r.ttft for r in run.results]
-                print(
-                    f"  {name:16} x{speedup:<5g} TTFT mean {row.ttft_mean:.3f}s p90 {row.ttft_p90:.3f}s "
-                    f"hit {row.hit_rate:.1%} (ideal {ideal:.1%}) imbalance {row.imbalance:.2f} "
-                    f"[{run.wall_s:.0f}s]{regret(run.results)}",
-                    file=sys.stderr,
-                )
+        for speedup, name, replicas in itertools.product(args.speedups, args.policies, args.replicas):
+            label = name if len(args.replicas) == 1 else f"{name} x{replicas} replicas"
+            policy = PolicyName(name)
+            run = virtual.replay(
+                reqs,
+                feats,
+                policy,
+                n,
+                profile,
+                speedup,
+                progress=Progress(f"{n} backends, {label}, x{speedup:g}"),
+                extra=None if args.learn_tokens else {"tokens": {"learn": False}},
+                frontend_per_token_s=args.frontend_per_token_us * 1e-6,
+                index=args.index,
+                replicas=replicas,
+                spread=spread,
+                share_load=not args.islands,
+            )
+            row = virtual.summarize_run(
+                label, run, ideal, sum(zero_q) / len(zero_q), speedup, report.Slo.from_args(args)
+            )
+            rows.append(row)
+            if speedup == args.speedups[0]:
+                cdfs[label] = [r.ttft for r in run.results]
+            print(
+                f"  {label:16} x{speedup:<5g} TTFT mean {row.ttft_mean:.3f}s p90 {row.ttft_p90:.3f}s "
+                f"hit {row.hit_rate:.1%} (ideal {ideal:.1%}) imbalance {row.imbalance:.2f} "
+                f"[{run.wall_s:.0f}s]{regret(run.results)}",
+                file=sys.stderr,
+            )
         out = Path(args.out) / f"{args.workload}-{n}-backends"
         path = report.write(out, f"virtual time, {args.workload}, {n} x {profile.name}", head, rows, cdfs)
         print(f"wrote {path}")
@@ -141,6 +147,26 @@ def _main(argv: list[str]) -> int:
         choices=["approximate", "exact"],
         default="approximate",
         help="exact: the sidecar gets each prompt's token ids and the engines' KV events",
+    )
+    v.add_argument(
+        "--replicas",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="gateway replicas routing the same backends, each its own sidecar core (sessions shared "
+        "as through Redis); several values run side by side",
+    )
+    v.add_argument(
+        "--spread",
+        choices=[s.value for s in Spread],
+        default=Spread.RANDOM.value,
+        help="how the client spreads requests over the replicas: a new connection to any (random), "
+        "or in turn",
+    )
+    v.add_argument(
+        "--islands",
+        action="store_true",
+        help="replicas do not share their in-flight load (redis.load_share_ms 0): the baseline",
     )
     v.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
     v.add_argument("--out", default="bench-results/virtual")

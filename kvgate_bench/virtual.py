@@ -1,10 +1,11 @@
 """Virtual-time replay: kvgate's own decision service and N simulated vLLM engines in one process.
 
 No HTTP and no sleeping: an event loop on a virtual clock feeds arrivals through the same
-``DecisionService``, ``Registry``, prefix index and policies the sidecar runs (Redis replaced by the
-service's in-process session map), and each routed request into a ``vllm_sim`` engine. Engine load is
-"scraped" into the registry every ``scrape_interval`` simulated seconds, and finished requests are
-reported back as Nginx's log phase would. The same seed and requests give identical results.
+``DecisionService``, ``Registry``, prefix index and policies the sidecar runs (Redis replaced by an
+in-process session map), one such core per gateway replica (``kvgate_bench.virtual_gateway``), and
+each routed request into a ``vllm_sim`` engine. Engine load is "scraped" into each replica's registry
+every ``scrape_interval`` simulated seconds, and finished requests are reported back to the replica
+that routed them, as Nginx's log phase would. The same seed and requests give identical results.
 
 Over 300 lines: ``replay`` is one timeline (arrivals, scrapes, engine steps, reports) whose
 closures share its clock and state; split, each part would need all of it.
@@ -16,9 +17,9 @@ import dataclasses
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple
 
 from kvgate.public import (
     Config,
@@ -30,14 +31,12 @@ from kvgate.public import (
     QueueTimeout,
     Registry,
     Routed,
-    Scraped,
     SessionAction,
-    build_sidecar,
     extract,
-    kv_events,
 )
 
 from kvgate_bench.report import DEFAULT_SLO, Sample, Slo, Summary, summarize
+from kvgate_bench.virtual_gateway import Gateways, Spread
 from kvgate_bench.workloads import BenchRequest
 from vllm_sim.engine import Engine
 from vllm_sim.kv_cache import KvEvent
@@ -45,7 +44,6 @@ from vllm_sim.kv_publisher import encode_batch
 from vllm_sim.profiles import Profile
 from vllm_sim.request import EngineConfig, Request, SchedulingPolicy, TokenEvent
 
-T = TypeVar("T")
 # Between two scrapes of the engines' load, in simulated seconds: the replay's, and the live sidecar's
 # in the live benchmarks (``targets.start_target`` scales it by the time-scale), so both see load as often.
 SCRAPE_INTERVAL_S = 0.5
@@ -64,6 +62,17 @@ class Result:
     output_tokens: int
     reason: str
     predicted_tokens: int = 0  # cached prompt tokens the sidecar's index predicted on its backend
+    replica: int = 0  # the gateway replica that routed it
+
+
+class Sent(NamedTuple):
+    """A request handed to an engine: whose it is, and where its outcome reports go."""
+
+    rid: int
+    decision: str
+    backend: str
+    reason: str
+    replica: int
 
 
 @dataclass
@@ -76,16 +85,6 @@ class Run:
     rejected: int = 0  # refused by the gateway queue (full, or waited too long): 429s
     queue_waits: list[float] = field(default_factory=list)  # seconds each queued request waited
     wall_s: float = 0.0
-
-
-def _sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine that never really waits (no Redis client: every await returns at once)."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
-    coro.close()
-    raise RuntimeError("the decision path awaited real I/O in virtual time")
 
 
 def features_for(requests: Sequence[BenchRequest]) -> list[Features]:
@@ -112,6 +111,9 @@ def replay(
     frontend_per_token_s: float = 0.0,
     scrape_phase: float = 0.0,
     index: str = "approximate",
+    replicas: int = 1,
+    spread: Spread = Spread.RANDOM,
+    share_load: bool = True,
 ) -> Run:
     """``extra``: more config sections (queue, pools, tokens); ``labels``: each backend's labels;
     ``frontend_per_token_s``: frontend time per prompt token on top of the profile's fixed frontend
@@ -121,7 +123,9 @@ def replay(
     ``scrape_phase``: when the first scrape happens (live, the scrape clock runs independently of the
     arrivals, so any phase within ``scrape_interval`` is as likely); ``index``: "exact" gives the
     sidecar each prompt's token ids and every engine's KV events as each step ends (as a publisher
-    would send them), "approximate" neither."""
+    would send them), "approximate" neither; ``replicas``: gateway replicas routing the same engines,
+    the client's requests spread over them by ``spread`` (``kvgate_bench.virtual_gateway``), sharing
+    their in-flight load unless ``share_load`` is False."""
     started = time.perf_counter()
     cfg = Config.from_mapping(
         {
@@ -134,25 +138,21 @@ def replay(
             **(extra or {}),
         }
     )
-    core = build_sidecar(cfg, None)
-    registry, service = core.registry, core.service
     exact = index == "exact"
-    clock = [0.0]  # virtual time, for the gateway queue's waits
+    clock = [0.0]  # virtual time, for the gateway queues' waits
+    models = frozenset({requests[0].model}) if requests else frozenset()
+    gw = Gateways(
+        cfg, replicas, spread, seed, scrape_phase, scrape_interval, lambda: clock[0], models, share_load
+    )
 
-    def tell(outcome: Outcome) -> None:
-        """An outcome reaches the sidecar: at once, or ``report_delay`` later (Nginx batches its
+    def tell(k: int, outcome: Outcome) -> None:
+        """An outcome reaches replica ``k``: at once, or ``report_delay`` later (Nginx batches its
         reports and flushes them every 100 ms)."""
         if report_delay <= 0:
-            service.report([outcome])
+            gw.report(k, outcome)
         else:
-            heapq.heappush(events, (clock[0] + report_delay, 0, next(seq), "report", outcome))
+            heapq.heappush(events, (clock[0] + report_delay, 0, next(seq), "report", (k, outcome)))
 
-    if service.queue is not None:
-        service.queue.clock = lambda: clock[0]
-    registry.set_membership((b, False) for b in cfg.backends)
-    models = frozenset({requests[0].model}) if requests else frozenset()
-    for bid in registry.backends:
-        registry.set_models(bid, models)
     # Backends schedule by the priority the gateway forwards when it forwards one (vLLM started with
     # --scheduling-policy priority); else first come, first served.
     forward = cfg.queue.forward_priority
@@ -163,7 +163,7 @@ def replay(
     ]
     transfer_tokens_per_s = 200_000.0  # vllm-sim's default KV transfer speed (disaggregation)
     legs: dict[str, tuple[BenchRequest, Routed, float]] = {}  # prefill leg id -> its request
-    ids = [f"sim-{i}" for i in range(backends)]
+    ids = gw.ids
     kv_seq = [0] * backends
     kv_pending: list[list[KvEvent]] = [[] for _ in range(backends)]
     if exact:
@@ -172,8 +172,7 @@ def replay(
     busy = [False] * backends
     pending: list[list[TokenEvent]] = [[] for _ in range(backends)]
     in_step = [0] * backends  # prompt tokens of each engine's step in progress
-    # engine request id -> (rid, decision id, backend, reason)
-    meta: dict[str, tuple[int, str, str, str]] = {}
+    meta: dict[str, Sent] = {}  # engine request id -> what was sent
     awaiting_first: set[str] = set()  # requests whose first token Nginx has not reported yet
     predicted: dict[int, int] = {}  # request -> prompt tokens the index said its backend holds
     run = Run(policy.value, backends, speedup)
@@ -181,34 +180,19 @@ def replay(
     events: list[tuple[float, int, int, str, Any]] = []
     for r in requests:
         heapq.heappush(events, (r.arrival / speedup, 1, next(seq), "arrive", r))
-    heapq.heappush(events, (scrape_phase, 0, next(seq), "scrape", None))
+    for k, phase in enumerate(gw.phases):
+        heapq.heappush(events, (phase, 0, next(seq), "scrape", k))
+        if gw.share_s:
+            heapq.heappush(events, (gw.share_phases[k], 0, next(seq), "share", k))
     frontend = profile.frontend_s
     remaining = len(requests)
     done = 0
 
-    def scrape() -> None:
-        at = time.monotonic()
-        for i, e in enumerate(engines):
-            registry.scrape_ok(
-                ids[i],
-                Scraped(
-                    float(e.num_running),
-                    float(e.num_waiting),
-                    e.pool.usage(),
-                    float(e.counters.prefix_queries),
-                    float(e.counters.prefix_hits),
-                    at,
-                    float(e.counters.prompt_tokens),
-                ),
-            )
-            service.tokens.counted(ids[i], float(e.counters.prompt_tokens))
-        registry.changed()
-
     def decode_leg(ev: TokenEvent, t: float) -> None:
         """A prefill leg ended: its backend is done with the prefill, the decoder reads the KV."""
         r, routed, arrived = legs.pop(ev.request.request_id)
-        meta.pop(ev.request.request_id)
-        tell(Outcome.first(routed.decision_id, routed.prefill[0].id))
+        k = meta.pop(ev.request.request_id).replica
+        tell(k, Outcome.first(routed.decision_id, routed.prefill[0].id))
         backend = routed.candidates[0].id
         req = Request(
             f"r{r.rid}",
@@ -218,21 +202,21 @@ def replay(
             ignore_eos=True,
             remote_tokens=r.prompt_tokens,
         )
-        meta[req.request_id] = (r.rid, routed.decision_id, backend, routed.label)
+        meta[req.request_id] = Sent(r.rid, routed.decision_id, backend, routed.label, k)
         delay = frontend + r.prompt_tokens / transfer_tokens_per_s
         heapq.heappush(events, (t + delay, 2, next(seq), "enqueue", (ids.index(backend), req)))
 
     def finish(ev: TokenEvent) -> None:
         nonlocal done
         req = ev.request
-        rid, decision, backend, reason = meta.pop(req.request_id)
+        sent = meta.pop(req.request_id)
         first = req.first_token_time if req.first_token_time is not None else req.finish_time or req.arrival
         end = req.finish_time if req.finish_time is not None else first
         itl = (end - first) / (req.num_output - 1) if req.num_output > 1 else None
         run.results.append(
             Result(
-                rid,
-                backend,
+                sent.rid,
+                sent.backend,
                 req.arrival,
                 first - req.arrival,
                 end - req.arrival,
@@ -240,23 +224,31 @@ def replay(
                 req.prompt_len,
                 req.cached_tokens or 0,
                 req.num_output,
-                reason,
-                predicted.pop(rid, 0),
+                sent.reason,
+                predicted.pop(sent.rid, 0),
+                sent.replica,
             )
         )
         cached = req.cached_tokens
         tell(
+            sent.replica,
             Outcome.end(
-                decision, backend, 200, True, first - req.arrival, end - req.arrival, cached_tokens=cached
-            )
+                sent.decision,
+                sent.backend,
+                200,
+                True,
+                first - req.arrival,
+                end - req.arrival,
+                cached_tokens=cached,
+            ),
         )
         done += 1
         if progress is not None and (done % 200 == 0 or done == len(requests)):
             progress(done, len(requests))
 
-    waiting: dict[str, tuple[BenchRequest, float]] = {}  # decision id -> (request, arrival)
+    waiting: dict[tuple[int, str], tuple[BenchRequest, float]] = {}  # (replica, decision) -> request
 
-    def send(r: BenchRequest, routed: Routed, arrived: float, t: float) -> None:
+    def send(r: BenchRequest, routed: Routed, arrived: float, t: float, k: int) -> None:
         priority = routed.priority if forward else 0
         if routed.prefill:  # disaggregated: a one-token prefill leg first (decode_leg follows it)
             backend = routed.prefill[0].id
@@ -270,23 +262,23 @@ def replay(
             )
             awaiting_first.add(req.request_id)
         predicted[r.rid] = routed.reuse[1]
-        meta[req.request_id] = (r.rid, routed.decision_id, backend, routed.label)
+        meta[req.request_id] = Sent(r.rid, routed.decision_id, backend, routed.label, k)
         delay = frontend + r.prompt_tokens * frontend_per_token_s
         heapq.heappush(events, (t + delay, 2, next(seq), "enqueue", (ids.index(backend), req)))
 
     def release(t: float) -> None:
-        """What Nginx would see when the gateway queue dispatches: each waiting request's answer."""
+        """What Nginx would see when a gateway queue dispatches: each waiting request's answer."""
         nonlocal done
-        if service.queue is None or not waiting:
+        if not waiting:
             return
-        for w, result in _sync(service.dispatch()):
-            r, arrived = waiting.pop(w.decision_id)
+        for k, did, result in list(gw.dispatch()):
+            r, arrived = waiting.pop((k, did))
             run.queue_waits.append(t - arrived)
             if isinstance(result, QueueTimeout) or not result.decision.candidates:
                 run.rejected += 1  # a 429 (or a 503) to the client
                 done += 1
                 continue
-            send(r, result, arrived, t)
+            send(r, result, arrived, t, k)
 
     while events:
         t, _, _, kind, payload = heapq.heappop(events)
@@ -296,23 +288,24 @@ def replay(
             f = feats[r.rid]
             if exact:
                 f = dataclasses.replace(f, token_ids=tuple(r.prompt_ids()))
-            snap = registry.snapshot(f.model)
+            k = gw.pick()
+            snap = gw.replicas[k].registry.snapshot(f.model)
             admits = snap.bound_admits()
             under = {n for n in snap.nodes if admits(n)}  # before this decision counts itself
             remaining -= 1
             try:
-                answer = _sync(service.decide(f))
+                answer = gw.decide(k, f)
             except QueueFull:
                 run.rejected += 1
                 done += 1
                 continue
             if isinstance(answer, Queued):
-                waiting[answer.decision_id] = (r, t)
+                waiting[(k, answer.decision_id)] = (r, t)
                 continue
             primary = answer.candidates[0].id
             if answer.decision.session is not SessionAction.KEEP and under and primary not in under:
                 run.bound_violations += 1
-            send(r, answer, t, t)
+            send(r, answer, t, t, k)
         elif kind == "enqueue":
             i, queued = payload
             engines[i].add_request(queued)
@@ -321,9 +314,9 @@ def replay(
                 heapq.heappush(events, (t, 3, next(seq), "step", i))
         elif kind == "step":
             i = payload
-            if kv_pending[i]:  # the events of the step that ends now reach the sidecar
+            if kv_pending[i]:  # the events of the step that ends now reach the sidecars
                 # Through the wire format: the publisher's encoding, the subscriber's decoder.
-                core.exact.apply(ids[i], kv_seq[i], kv_events.decode(encode_batch(kv_pending[i])))
+                gw.publish(ids[i], kv_seq[i], encode_batch(kv_pending[i]))
                 kv_seq[i] += 1
                 kv_pending[i] = []
             for ev in pending[i]:
@@ -331,8 +324,8 @@ def replay(
                 if name in awaiting_first:
                     # What Nginx's body filter reports when the stream's first byte passes.
                     awaiting_first.discard(name)
-                    _, decision, backend, _ = meta[name]
-                    tell(Outcome.first(decision, backend))
+                    sent = meta[name]
+                    tell(sent.replica, Outcome.first(sent.decision, sent.backend))
                 if ev.finish_reason is not None and name in legs:
                     decode_leg(ev, t)
                 elif ev.finish_reason is not None:
@@ -351,15 +344,20 @@ def replay(
                 kv_pending[i] = engines[i].pool.take_events()
             heapq.heappush(events, (result.end, 3, next(seq), "step", i))
         elif kind == "report":
-            service.report([payload])
+            gw.report(*payload)
             release(t)
+        elif kind == "share":
+            gw.share(payload, t)
+            if remaining or any(busy) or waiting:
+                heapq.heappush(events, (t + gw.share_s, 0, next(seq), "share", payload))
         elif kind == "scrape":
-            scrape()
-            if observe is not None:
-                observe(t, registry, engines, in_step)
+            k = payload
+            gw.scrape(k, engines, time.monotonic())
+            if observe is not None and k == 0:
+                observe(t, gw.replicas[0].registry, engines, in_step)
             release(t)
             if remaining or any(busy) or waiting:
-                heapq.heappush(events, (t + scrape_interval, 0, next(seq), "scrape", None))
+                heapq.heappush(events, (t + scrape_interval, 0, next(seq), "scrape", k))
     run.wall_s = time.perf_counter() - started
     return run
 

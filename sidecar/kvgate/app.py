@@ -37,6 +37,7 @@ from kvgate.registry import Registry
 from kvgate.replicas import join, replica_id, replicas_loop
 from kvgate.scraper import LoadUnknown, Unhealthy, scrape, served_models
 from kvgate.service import DecisionService
+from kvgate.shared_load import share_loop
 from kvgate.sidecar import build_sidecar
 from kvgate.tokenize import TokenSource
 from kvgate.tokens import TokenEstimator
@@ -205,6 +206,12 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
                     replicas_loop(client, config.redis.prefix, me, registry, sessions), name="replicas"
                 )
             )
+            if config.redis.load_share_s > 0:
+                registry.shared.me = me
+                loop = share_loop(
+                    client, config.redis.prefix, registry.shared, registry.ledger, config.redis.load_share_s
+                )
+                tasks.append(asyncio.create_task(loop, name="load-share"))
         service.tokenizer = TokenSource(config.kv_index, registry, metrics, session)
         subscriber = KvSubscriber(core.exact, metrics, config.kv_index.replay_timeout_s, registry)
         tasks.append(asyncio.create_task(subscriber.run(), name="kv-events"))

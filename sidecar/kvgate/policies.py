@@ -78,11 +78,13 @@ class Snapshot:
     nodes: Mapping[str, NodeView]
     ring: Ring
     limits: LoadLimits = field(default_factory=LoadLimits)
-    # Live in-flight counts of this sidecar, read-only here: the node views are cached between scrape
-    # rounds, while these move with every decision and report.
+    # Live in-flight counts, read-only here: the node views are cached between scrape rounds, while
+    # these move with every decision and report. This sidecar's plus the other replicas' as last
+    # shared (kvgate.shared_load); ``own_tokens`` is this sidecar's alone (None: the same).
     inflight: Mapping[str, int] = field(default_factory=dict)
     inflight_tokens: Mapping[str, int] = field(default_factory=dict)
     replicas: int = 1  # gateway replicas sharing these backends (the gateway queue's dispatch share)
+    own_tokens: Mapping[str, int] | None = None
 
     total_weight: float = field(init=False, default=1.0)
 
@@ -105,13 +107,14 @@ class Snapshot:
         return self.nodes[node].load.saturated(limits.saturation_waiting, limits.saturation_kv)
 
     def has_room(self, node: str) -> bool:
-        """Whether this replica may send ``node`` one more request now: not saturated, with the
-        prefill budget split between the replicas, so that replicas dispatching from their queues
-        at once cannot together pour more than one budget into a node that freed up."""
-        limits = self.limits
-        if self.inflight_tokens.get(node, 0) >= limits.saturation_prefill_tokens / max(1, self.replicas):
+        """Whether this replica may send ``node`` one more request now: not saturated (by every
+        replica's load, as last shared), and this replica's own prefill tokens there within its split
+        of the budget, so that replicas dispatching from their queues at once, between two shares,
+        cannot together pour more than one budget into a node that freed up."""
+        own = self.inflight_tokens if self.own_tokens is None else self.own_tokens
+        if own.get(node, 0) >= self.limits.saturation_prefill_tokens / max(1, self.replicas):
             return False
-        return not self.nodes[node].load.saturated(limits.saturation_waiting, limits.saturation_kv)
+        return not self.saturated(node)
 
     def bound_admits(self) -> Callable[[str], bool]:
         """Bounded-load test: a node may take one more request while under c x its fair share."""

@@ -26,6 +26,7 @@ from kvgate.metrics import SidecarMetrics
 from kvgate.outliers import CLIENT_CLOSED, OutlierDetector, OutlierState, failure_reason
 from kvgate.policies import NodeView, Snapshot
 from kvgate.ring import Ring
+from kvgate.shared_load import SharedLoad, Summed
 
 logger = logging.getLogger(__name__)
 # A backend that delivered a response (a first byte, a successful end) this recently is alive: health
@@ -88,6 +89,7 @@ class Registry:
     pool_label: str = "pool"  # the backend label naming its pool
     _served: tuple[int, frozenset[str] | None] | None = None
     ledger: InflightLedger = field(init=False)  # decisions in flight, per backend (kvgate.inflight)
+    shared: SharedLoad = field(default_factory=lambda: SharedLoad(""))  # other replicas' (Redis)
 
     def __post_init__(self) -> None:
         self.ledger = InflightLedger(self.backends.__contains__)
@@ -247,8 +249,15 @@ class Registry:
         ]
         unknown = max(known) if known else 0.0  # pessimistic stand-in for stale stats
         nodes = {s.spec.id: NodeView(s.spec.id, s.spec.weight, self.load_of(s, now, unknown)) for s in chosen}
+        ledger, shared = self.ledger, self.shared
         snap = Snapshot(
-            nodes, self.ring, self.routing.limits, self.ledger.counts, self.ledger.tokens, self.replicas
+            nodes,
+            self.ring,
+            self.routing.limits,
+            Summed(ledger.counts, shared.counts),
+            Summed(ledger.tokens, shared.tokens),
+            self.replicas,
+            ledger.tokens,
         )
         self._snapshots[cache_key] = (self._generation, snap)
         return snap
@@ -357,6 +366,9 @@ class Registry:
                     "models": sorted(s.models),
                     "inflight": self.ledger.counts.get(bid, 0),
                     "inflight_tokens": self.ledger.tokens.get(bid, 0),
+                    # what the other gateway replicas have in flight there (kvgate.shared_load)
+                    "inflight_other_replicas": self.shared.counts.get(bid, 0),
+                    "inflight_tokens_other_replicas": self.shared.tokens.get(bid, 0),
                     "load": {
                         "known": load.known,
                         "requests": load.requests,

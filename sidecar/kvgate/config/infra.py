@@ -102,6 +102,13 @@ class RedisConfig:
         "answered and the claim completes in the background (Redis queued behind busy cores, not down)",
     )
     connect_timeout_s: float = millis(50, 1, 5000, "to connect to Redis")
+    load_share_s: float = millis(
+        25,
+        0,
+        5000,
+        "how often each gateway replica shares its in-flight load per backend with the others "
+        "(one pipeline); 0: off, each replica sees only its own between scrapes",
+    )
     retry_after_s: float = millis(
         1000, 10, 600_000, "after a failure, route without Redis this long before trying again"
     )
