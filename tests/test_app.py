@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from kvgate.app import MEMBERSHIP, RELOAD, create_app, redis_client
+from kvgate.app import MEMBERSHIP, RELOAD, create_app
 from kvgate.config import Config
+from kvgate.redis_client import connect
 
 from tests.cores import run
 
@@ -15,13 +16,13 @@ ONE = "backends: [{id: a, url: 'http://127.0.0.1:1'}]\nredis: {url: null}\n"
 
 def test_the_redis_client_has_kvgates_budgets_not_the_librarys() -> None:
     assert (
-        redis_client(Config.from_mapping({"redis": {"url": None}, "backends": [{"url": "http://h:1"}]}))
+        connect(Config.from_mapping({"redis": {"url": None}, "backends": [{"url": "http://h:1"}]}).redis)
         is None
     )
     config = Config.from_mapping(
         {"redis": {"timeout_ms": 15, "connect_timeout_ms": 40}, "backends": [{"url": "http://h:1"}]}
     )
-    client = redis_client(config)
+    client = connect(config.redis)
     assert client is not None
     kwargs = client.connection_pool.connection_kwargs
     assert kwargs["socket_timeout"] == 0.015 and kwargs["socket_connect_timeout"] == 0.04

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvgate.app import redis_client
 from kvgate.redis_batch import PIPELINES, Batch
+from kvgate.redis_client import connect
 from redis.exceptions import RedisError
 
 from tests.cores import config, run
@@ -24,7 +24,7 @@ def test_commands_queued_behind_a_pipeline_that_times_out_fail_with_it() -> None
         server = await asyncio.start_server(hang, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         cfg = config(f"redis://127.0.0.1:{port}/0", redis_extra={"timeout_ms": 200})
-        client = redis_client(cfg)
+        client = connect(cfg.redis)
         assert client is not None
         batch = Batch(client)
         loop = asyncio.get_running_loop()

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvgate.app import redis_client
 from kvgate.load import Scraped
 from kvgate.messages import Outcome
 from kvgate.policies import SessionAction
+from kvgate.redis_client import connect
 
 from tests.cores import config, features, ready, run
 from tests.helpers import PATIENT_REDIS
@@ -22,7 +22,7 @@ def test_two_services_racing_for_a_new_session_agree_on_one_backend(redis_url: s
 
     async def scenario() -> None:
         cfg = config(redis_url, redis_extra=PATIENT_REDIS)
-        ca, cb = redis_client(cfg), redis_client(cfg)
+        ca, cb = connect(cfg.redis), connect(cfg.redis)
         assert ca is not None and cb is not None
         a, b = ready(cfg, ca), ready(cfg, cb)
         for i in range(40):
@@ -47,7 +47,7 @@ def test_a_burst_of_new_sessions_spreads_while_their_claims_wait_for_redis(redis
 
     async def scenario() -> None:
         cfg = config(redis_url, backends=2)
-        client = redis_client(cfg)
+        client = connect(cfg.redis)
         sc = ready(cfg, client)
         # b0 has a long prefill queued; b1 is idle. Each new prompt is ~8,000 tokens.
         sc.registry.ledger.start("earlier", "b0", 24_000, time.monotonic())
@@ -72,7 +72,7 @@ def test_a_burst_of_new_sessions_spreads_while_their_claims_wait_for_redis(redis
 def test_a_bound_session_is_kept_and_moves_only_when_its_backend_saturates(redis_url: str) -> None:
     async def scenario() -> None:
         cfg = config(redis_url)
-        client = redis_client(cfg)
+        client = connect(cfg.redis)
         sc = ready(cfg, client)
         first = await sc.service.route(features(1, session="s"))
         home = first.candidates[0].id

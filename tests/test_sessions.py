@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from kvgate.app import redis_client
 from kvgate.messages import Outcome
 from kvgate.policies import SessionAction
 from kvgate.redis_batch import PIPELINES
+from kvgate.redis_client import connect
 from kvgate.tools.launcher import Supervisor
 from kvgate.tools.readiness import free_port
 
@@ -31,7 +31,7 @@ def test_a_session_last_seen_long_ago_is_decided_where_it_is_bound_and_confirmed
 
     async def scenario() -> None:
         cfg = config(redis_url)
-        client = redis_client(cfg)
+        client = connect(cfg.redis)
         assert client is not None
         sc = ready(cfg, client)
         sessions = sc.service.sessions
@@ -68,7 +68,7 @@ def test_sessions_route_from_memory_while_redis_is_down_and_write_back_after() -
     async def scenario(sup: Supervisor) -> None:
         port = free_port()
         cfg = config(f"redis://127.0.0.1:{port}/0")
-        client = redis_client(cfg)
+        client = connect(cfg.redis)
         assert client is not None
         sc = ready(cfg, client)
         during = await sc.service.route(features(5, session="down"))  # nothing listens yet
@@ -104,7 +104,7 @@ def test_a_burst_of_new_sessions_opens_no_redis_connection_past_the_warm_ones(
 
     async def scenario() -> None:
         cfg = config(redis_url, redis_extra=PATIENT_REDIS)
-        client = redis_client(cfg)
+        client = connect(cfg.redis)
         assert client is not None
         sc = ready(cfg, client)
         probe = aioredis.Redis.from_url(redis_url)
@@ -174,7 +174,7 @@ def test_a_decision_does_not_wait_for_a_slow_redis_and_its_claim_still_lands(red
     async def scenario() -> None:
         proxy = _DelayingProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]), 0.15)
         cfg = config(await proxy.start(), redis_extra={"timeout_ms": 1000, "decision_wait_ms": 20})
-        client = redis_client(cfg)
+        client = connect(cfg.redis)
         assert client is not None
         sc = ready(cfg, client)
         await sc.sessions.warm()  # the connections (their handshakes are delayed too)
@@ -213,7 +213,7 @@ def test_a_lone_replica_answers_before_its_claims_and_a_shared_one_waits(redis_u
     async def scenario() -> None:
         proxy = _DelayingProxy(int(redis_url.rsplit(":", 1)[1].split("/")[0]), 0.15)
         cfg = config(await proxy.start(), redis_extra={"timeout_ms": 1000, "decision_wait_ms": 1000})
-        client = redis_client(cfg)
+        client = connect(cfg.redis)
         assert client is not None
         sc = ready(cfg, client)
         sessions = sc.sessions
@@ -254,7 +254,7 @@ def test_a_lone_replica_reads_redis_bindings_first_and_follows_them(redis_url: s
 
     async def scenario() -> None:
         cfg = config(redis_url, redis_extra={"local_sessions": 100})
-        client = redis_client(cfg)
+        client = connect(cfg.redis)
         assert client is not None
         for i in range(60):
             await client.set(f"{cfg.redis.prefix}:s:h:old-{i}", "b2")
@@ -289,7 +289,7 @@ def test_a_binding_a_lone_replica_did_not_know_follows_the_request_and_claims_ar
 
     async def scenario() -> None:
         cfg = config(redis_url)
-        client = redis_client(cfg)
+        client = connect(cfg.redis)
         assert client is not None
         sc = ready(cfg, client)
         preload = sc.sessions.set_replicas(1)

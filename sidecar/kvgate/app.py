@@ -16,13 +16,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
-import redis.asyncio as aioredis
 from aiohttp import web
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from kvgate.config import Config
 from kvgate.decision_socket import DecisionServer
@@ -33,6 +29,7 @@ from kvgate.limits import RateLimiter
 from kvgate.looplag import lag_loop
 from kvgate.membership import AddressPolicy, Membership
 from kvgate.metrics import SidecarMetrics
+from kvgate.redis_client import RedisClient, connect, is_cluster
 from kvgate.registry import Registry
 from kvgate.replicas import join, replica_id, replicas_loop
 from kvgate.scraper import LoadUnknown, Unhealthy, scrape, served_models
@@ -46,37 +43,13 @@ logger = logging.getLogger(__name__)
 MODELS_EVERY = 20  # scrape rounds between /v1/models refreshes
 DRAIN_QUIET_S = 1.0  # SIGTERM: stop once no decision connection has been open this long
 
-REDIS = web.AppKey("redis", aioredis.Redis)
+REDIS: web.AppKey[RedisClient] = web.AppKey("redis")
 SERVICE = web.AppKey("service", DecisionService)
 REGISTRY = web.AppKey("registry", Registry)
 MEMBERSHIP = web.AppKey("membership", Membership)
 RELOAD: web.AppKey[Callable[[], Awaitable[None]]] = web.AppKey("reload")
 METRICS_APP = web.AppKey("metrics_app", web.Application)  # served on listen.metrics_port when set
 DECISIONS = web.AppKey("decisions", DecisionServer)  # the decision socket's server, once listening
-
-
-def redis_client(config: Config) -> aioredis.Redis | None:
-    """A client with explicit budgets: redis-py's defaults (no timeout, retries) would stall routing."""
-    rc = config.redis
-    if rc.url is None:
-        return None
-    tls: dict[str, Any] = {"ssl_ca_certs": rc.tls_ca_file} if rc.url.startswith("rediss://") else {}
-    credentials: dict[str, Any] = {}
-    if rc.username is not None:
-        credentials["username"] = rc.username
-    if rc.password is not None:
-        credentials["password"] = rc.password
-    return aioredis.Redis.from_url(
-        rc.url,
-        **credentials,
-        **tls,
-        socket_timeout=rc.timeout_s,
-        socket_connect_timeout=rc.connect_timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        retry_on_timeout=False,
-        max_connections=64,
-        health_check_interval=0,
-    )
 
 
 async def _scrape_round(
@@ -151,11 +124,13 @@ async def membership_loop(membership: Membership, interval_s: float) -> None:
 
 def create_app(config: Config, config_path: str | Path | None = None) -> web.Application:
     app = web.Application()
-    client = redis_client(config)
+    client = connect(config.redis)
     core = build_sidecar(config, client)
     metrics, registry, sessions, service = core.metrics, core.registry, core.sessions, core.service
     policy = AddressPolicy(config.membership, config.backends)
-    membership = Membership(client, config.redis.prefix, registry, metrics, policy)
+    membership = Membership(
+        client, config.redis.prefix, registry, metrics, policy, cluster=is_cluster(config.redis)
+    )
     app[SERVICE] = service
     app[REGISTRY] = registry
     app[MEMBERSHIP] = membership

@@ -145,6 +145,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     u.add_argument("--redis-port", type=int, default=6380)
     u.add_argument(
+        "--redis",
+        choices=("server", "sentinel", "cluster"),
+        default="server",
+        help="the demo's Redis: one server on --redis-port; a primary, its replica and three "
+        "Sentinels on the five ports from it; or a six-node Cluster (three primaries, a replica each)",
+    )
+    u.add_argument(
         "--sidecar-port", type=int, default=None, help="the sidecar's loopback HTTP API (default 9100)"
     )
     u.add_argument("--time-scale", type=float, default=1.0)

@@ -20,10 +20,8 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
 from kvgate.config import AuthConfig, LimitsConfig, Rate
+from kvgate.redis_client import REDIS_ERRORS, RedisClient
 
 logger = logging.getLogger(__name__)
 WINDOW_S = 60.0
@@ -42,7 +40,7 @@ class _Use:
 
 class RateLimiter:
     def __init__(
-        self, limits: LimitsConfig, auth: AuthConfig, client: aioredis.Redis | None, prefix: str
+        self, limits: LimitsConfig, auth: AuthConfig, client: RedisClient | None, prefix: str
     ) -> None:
         self.limits = limits
         self.key_rates = {k.name: k.rate for k in auth.keys if k.rate is not None}
@@ -133,7 +131,7 @@ class RateLimiter:
                     pipe.hincrbyfloat(key, "t", tokens)
                     pipe.expire(key, int(2 * WINDOW_S))
                 results = await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             logger.debug("rate-limit sync failed, counting locally: %s", exc)
             return
         for n, (_, use, requests, tokens) in enumerate(sent):

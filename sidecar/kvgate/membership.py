@@ -12,11 +12,9 @@ import json
 import logging
 from collections.abc import Iterable
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
 from kvgate.config import BackendSpec, ConfigError, MembershipConfig
 from kvgate.metrics import SidecarMetrics
+from kvgate.redis_client import REDIS_ERRORS, RedisClient
 from kvgate.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -73,16 +71,19 @@ def _decode(raw: str | bytes) -> tuple[BackendSpec, bool]:
 class Membership:
     def __init__(
         self,
-        client: aioredis.Redis | None,
+        client: RedisClient | None,
         prefix: str,
         registry: Registry,
         metrics: SidecarMetrics,
         policy: AddressPolicy | None = None,
+        cluster: bool = False,
     ) -> None:
         self.policy = policy
         self.client = client
-        self.hash_key = f"{prefix}:backends"
-        self.version_key = f"{prefix}:backends:v"
+        # Written together in one MULTI: on a Redis Cluster both keys must hash to one slot (a tag).
+        tag = f"{{{prefix}}}" if cluster else prefix
+        self.hash_key = f"{tag}:backends"
+        self.version_key = f"{tag}:backends:v"
         self.registry = registry
         self.metrics = metrics
         self.local: dict[str, tuple[BackendSpec, bool]] = {}
@@ -107,7 +108,7 @@ class Membership:
             if added:
                 await self.client.incr(self.version_key)
             await self.refresh()
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             self._failed("seed", exc)
 
     def _failed(self, op: str, exc: Exception) -> None:
@@ -128,7 +129,7 @@ class Membership:
             if version == self.version:
                 return
             entries = await self.client.hgetall(self.hash_key)
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             self._failed("refresh", exc)
             return
         fresh: dict[str, tuple[BackendSpec, bool]] = {}
@@ -215,7 +216,7 @@ class Membership:
                     pipe.hset(self.hash_key, spec.id, _encode(spec, draining))
                 pipe.incr(self.version_key)
                 await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             self._failed("replace", exc)
 
     async def _write(self, op: object) -> None:
@@ -227,5 +228,5 @@ class Membership:
                 pipe.incr(self.version_key)
                 results = await pipe.execute()
             self.version = int(results[-1])
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             self._failed("write", exc)

@@ -14,8 +14,10 @@ import asyncio
 import logging
 from typing import Any
 
-import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
+
+from kvgate.redis_client import REDIS_ERRORS, RedisClient
 
 logger = logging.getLogger(__name__)
 PIPELINES = 4  # Redis pipelines in flight at once, on connections opened at startup
@@ -25,7 +27,7 @@ class Batch:
     """Redis commands sent as pipelines, at most ``PIPELINES`` in flight: those issued in the same
     turn of the event loop, or while every pipeline was out, go together in the next to leave."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: RedisClient) -> None:
         self.client = client
         self._pending: list[tuple[str, tuple[Any, ...], dict[str, Any], asyncio.Future[Any]]] = []
         self._in_flight: set[asyncio.Task[Exception | None]] = set()
@@ -34,6 +36,8 @@ class Batch:
     async def warm(self) -> None:
         """Open the connections the pipelines will use, before the first command needs them. A
         Redis that is down now is found by the first command, as at any other time."""
+        if isinstance(self.client, RedisCluster):
+            return  # a cluster client opens a pool per node, as it first sends there
         pool = self.client.connection_pool
         held: list[Any] = []
         try:
@@ -42,7 +46,7 @@ class Batch:
             # a busy machine: three of four).
             for _ in range(PIPELINES):
                 held.append(await pool.get_connection())  # type: ignore[no-untyped-call]  # redis-py
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             logger.warning("redis did not answer at startup (%s); sessions will retry it", exc)
         finally:
             for conn in held:
@@ -100,7 +104,7 @@ class Batch:
                 else:
                     future.set_result(result)
             return None
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             failed = exc
             return exc
         finally:

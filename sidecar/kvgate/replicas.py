@@ -14,9 +14,7 @@ import socket
 import time
 import uuid
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
+from kvgate.redis_client import REDIS_ERRORS, RedisClient
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
 
@@ -30,7 +28,7 @@ def replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-async def count_once(client: aioredis.Redis, key: str, me: str, now: float) -> int:
+async def count_once(client: RedisClient, key: str, me: str, now: float) -> int:
     async with client.pipeline(transaction=False) as pipe:
         pipe.zadd(key, {me: now})
         pipe.zremrangebyscore(key, "-inf", now - STALE_S)
@@ -40,13 +38,13 @@ async def count_once(client: aioredis.Redis, key: str, me: str, now: float) -> i
     return max(1, int(results[2]))
 
 
-async def join(client: aioredis.Redis, prefix: str, me: str) -> None:
+async def join(client: RedisClient, prefix: str, me: str) -> None:
     """Count this replica in before it serves. Others running already count it at their next beat;
     until then one alone would answer decisions before their claims (``SessionStore.answers_first``)
     and could bind a session this one binds elsewhere, so a replica that finds others waits a beat."""
     try:
         n = await count_once(client, f"{prefix}:replicas", me, time.time())
-    except (RedisError, OSError) as exc:
+    except REDIS_ERRORS as exc:
         logger.debug("replica heartbeat failed: %s", exc)
         return
     if n > 1:
@@ -54,13 +52,13 @@ async def join(client: aioredis.Redis, prefix: str, me: str) -> None:
 
 
 async def replicas_loop(
-    client: aioredis.Redis, prefix: str, me: str, registry: Registry, sessions: SessionStore
+    client: RedisClient, prefix: str, me: str, registry: Registry, sessions: SessionStore
 ) -> None:
     key = f"{prefix}:replicas"
     while True:
         try:
             n = await count_once(client, key, me, time.time())
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             logger.debug("replica heartbeat failed: %s", exc)
         else:
             registry.set_replicas(n)

@@ -51,20 +51,19 @@ from collections.abc import Coroutine
 from enum import Enum
 from typing import Any, NamedTuple, TypeVar
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from kvgate.config import RedisConfig
 from kvgate.local_sessions import LocalSessions
 from kvgate.metrics import SidecarMetrics
 from kvgate.redis_batch import Batch
+from kvgate.redis_client import REDIS_ERRORS, RedisClient, is_cluster, scan_values
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 LOCAL_FRESH_S = 2.0  # how long a binding read from Redis is trusted without asking again
 TTL_REFRESH_EVERY_S = 1.0
 REWAIT_S = 30.0  # after a claim found a binding a lone replica did not know: wait for claims again
-PRELOAD_SCAN = 1000  # keys per SCAN step of the preload (one MGET each)
 
 
 def _text(value: bytes | str) -> str:
@@ -89,10 +88,11 @@ class Cached(NamedTuple):
 
 
 class SessionStore:
-    def __init__(self, config: RedisConfig, metrics: SidecarMetrics, client: aioredis.Redis | None) -> None:
+    def __init__(self, config: RedisConfig, metrics: SidecarMetrics, client: RedisClient | None) -> None:
         self.config = config
         self.metrics = metrics
         self.client = client
+        self._cluster = is_cluster(config)
         self.local = LocalSessions(config.local_sessions)
         self._down_until = 0.0
         self._dirty: dict[str, str] = {}  # bindings made while Redis was down
@@ -106,7 +106,9 @@ class SessionStore:
         self._rewait_until = 0.0  # REWAIT ends here
 
     def _key(self, key: str) -> str:
-        return f"{self.config.prefix}:s:{key}"
+        # On a cluster, "{}" first makes Redis hash the whole key: a session id a client wrote with
+        # braces of its own would otherwise choose the slot (and could pile every key on one node).
+        return f"{self.config.prefix}:s:{{}}{key}" if self._cluster else f"{self.config.prefix}:s:{key}"
 
     def sizes(self) -> dict[str, int]:
         """Entry counts of what this store keeps in memory (``GET /debug/memory``)."""
@@ -150,29 +152,20 @@ class SessionStore:
         claim confirms it), without replacing what this sidecar knows. More bindings than the map
         holds leave the replica waiting for claims: the ones left out would be decided blind."""
         assert self.client is not None
-        pattern, strip = f"{self.config.prefix}:s:*", len(self._key(""))
-        seen = 0
+        strip = len(self._key(""))
         try:
-            cursor: int = 0
-            while True:
-                cursor, keys = await self.client.scan(cursor, match=pattern, count=PRELOAD_SCAN)
-                if keys:
-                    nodes = await self.client.mget(keys)
-                    seen += len(keys)
-                    if seen > self.local.capacity:
-                        logger.warning(
-                            "redis holds more session bindings than the local map keeps (%d); "
-                            "decisions keep waiting for their claims",
-                            self.local.capacity,
-                        )
-                        return
-                    for rkey, node in zip(keys, nodes, strict=True):
-                        key = _text(rkey)[strip:]
-                        if node is not None and self.local.get(key) is None:
-                            self.local.set(key, _text(node), 0.0)
-                if cursor == 0:
-                    break
-        except (RedisError, OSError) as exc:
+            found = await scan_values(self.client, self._key("*"), self.local.capacity)
+            if found is None:
+                logger.warning(
+                    "redis holds more session bindings than the local map keeps (%d); "
+                    "decisions keep waiting for their claims",
+                    self.local.capacity,
+                )
+                return
+            for rkey, node in found.items():
+                if self.local.get(rkey[strip:]) is None:
+                    self.local.set(rkey[strip:], node, 0.0)
+        except REDIS_ERRORS as exc:
             # Not taken for Redis being down (a SCAN step may outlast the decisions' tight timeout
             # on a busy host): decisions keep waiting for claims, and the next beat retries.
             logger.warning("reading the session bindings from redis failed (%s); retrying", exc)
@@ -184,7 +177,7 @@ class SessionStore:
         logger.warning(
             "the only gateway replica on redis: %d session binding(s) read; decisions no longer wait "
             "for their session claims",
-            seen,
+            len(found),
         )
 
     def claim_behind(self, key: str, node: str) -> asyncio.Task[tuple[str, bool]]:
@@ -254,7 +247,7 @@ class SessionStore:
             assert self._batch is not None
             try:
                 found = await self._batch.call("get", self._key(key))
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 self._failed(exc, "peek")
             else:
                 return None if found is None else _text(found)
@@ -282,7 +275,7 @@ class SessionStore:
         try:
             await self._flush_dirty()
             prior = await self._set_nx_get(self._key(key), node)
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             self._failed(exc, "claim")
             return None
         bound = node if prior is None else _text(prior)
@@ -311,7 +304,7 @@ class SessionStore:
                 await self._batch.call("set", self._key(key), node, ex=self.ttl)
                 self.local.set(key, node, time.monotonic())
                 return
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 self._failed(exc, "rebind")
         self.local.set(key, node, 0.0)
         self._mark_dirty(key, node)
@@ -339,7 +332,7 @@ class SessionStore:
         assert self._batch is not None
         try:
             await self._batch.call("set", self._key(key), node, ex=self.ttl)
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             self._failed(exc, "remember")
             self._mark_dirty(key, node)
 
@@ -353,7 +346,7 @@ class SessionStore:
                 for key, node in dirty.items():
                     pipe.set(self._key(key), node, nx=True, ex=self.ttl)
                 await pipe.execute()
-        except (RedisError, OSError):
+        except REDIS_ERRORS:
             self._dirty = {**dirty, **self._dirty}  # keep them for the next attempt
             raise
 
@@ -369,7 +362,7 @@ class SessionStore:
                 for key in touched:
                     pipe.expire(self._key(key), self.ttl)
                 await pipe.execute()
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             self._failed(exc, "refresh")
 
     async def warm(self) -> None:

@@ -23,10 +23,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
 from kvgate.inflight import InflightLedger
+from kvgate.redis_client import REDIS_ERRORS, RedisClient
 
 logger = logging.getLogger(__name__)
 STALE_S = 2.0  # a replica whose field has not changed this long counts no more
@@ -147,7 +145,7 @@ def _parse(raw: bytes | str) -> tuple[int, dict[str, tuple[int, int]]] | None:
         return None
 
 
-async def share_once(client: aioredis.Redis, key: str, shared: SharedLoad, ledger: InflightLedger) -> None:
+async def share_once(client: RedisClient, key: str, shared: SharedLoad, ledger: InflightLedger) -> None:
     """Write this replica's field and read every field, in one round trip; drop the stale ones."""
     async with client.pipeline(transaction=False) as pipe:
         pipe.hset(key, shared.me, shared.payload(ledger))
@@ -160,7 +158,7 @@ async def share_once(client: aioredis.Redis, key: str, shared: SharedLoad, ledge
 
 
 async def share_loop(
-    client: aioredis.Redis, prefix: str, shared: SharedLoad, ledger: InflightLedger, interval_s: float
+    client: RedisClient, prefix: str, shared: SharedLoad, ledger: InflightLedger, interval_s: float
 ) -> None:
     key = f"{prefix}:load"
     failed_since: float | None = None
@@ -168,7 +166,7 @@ async def share_loop(
         try:
             await share_once(client, key, shared, ledger)
             failed_since = None
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             logger.debug("load share failed: %s", exc)
             now = time.monotonic()
             failed_since = failed_since or now

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
 from kvgate.agreement import Agreement
 from kvgate.config import Config
 from kvgate.exact_index import ExactIndex
@@ -18,6 +16,7 @@ from kvgate.limits import RateLimiter
 from kvgate.metrics import SidecarMetrics
 from kvgate.outliers import OutlierDetector
 from kvgate.prefix_index import PrefixIndex
+from kvgate.redis_client import RedisClient
 from kvgate.registry import Registry
 from kvgate.service import DecisionService
 from kvgate.sessions import SessionStore
@@ -35,7 +34,7 @@ class Sidecar:
     agreement: Agreement  # whether the Nginx in front runs this config too
 
 
-def build_sidecar(config: Config, redis: aioredis.Redis | None) -> Sidecar:
+def build_sidecar(config: Config, redis: RedisClient | None) -> Sidecar:
     """The routing core over ``config``; ``redis`` None keeps sessions in process memory only."""
     metrics = SidecarMetrics()
     registry = Registry(

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from kvgate.config.fields import custom, millis, number, optional_text, text, whole
 from kvgate.config.parse import ConfigError
@@ -55,14 +56,56 @@ class ListenConfig:
     )
 
 
+SENTINEL = "redis+sentinel://"
+CLUSTER = "redis+cluster://"
+
+
+@dataclass(frozen=True, slots=True)
+class Nodes:
+    """What a ``redis+sentinel://`` or ``redis+cluster://`` URL names."""
+
+    hosts: tuple[tuple[str, int], ...]
+    service: str | None  # the Sentinel service (its primary's name); None for a cluster
+    db: int
+    username: str | None
+    password: str | None
+
+
+def parse_nodes(url: str) -> Nodes:
+    """The hosts, service and credentials of a Sentinel or Cluster URL; ValueError when malformed."""
+    sentinel = url.startswith(SENTINEL)
+    parts = urlsplit("redis://" + url.split("://", 1)[1])
+    hosts: list[tuple[str, int]] = []
+    for item in parts.netloc.rsplit("@", 1)[-1].split(","):
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{item!r} is not host:port")
+        hosts.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if sentinel and not 1 <= len(path) <= 2:
+        raise ValueError("a Sentinel URL ends with /SERVICE (or /SERVICE/DB)")
+    if not sentinel and path:
+        raise ValueError("a Cluster URL has no path (a cluster has one database)")
+    db = path[1] if sentinel and len(path) == 2 else "0"
+    if not db.isdigit():
+        raise ValueError(f"database {db!r} is not a number")
+    user = unquote(parts.username) if parts.username else None
+    password = unquote(parts.password) if parts.password else None
+    return Nodes(tuple(hosts), path[0] if sentinel else None, int(db), user, password)
+
+
 def _redis_url(d: Mapping[str, Any], where: str, key: str) -> str | None:
     url = d.get(key, DEFAULT_REDIS_URL)
-    if url is not None and (
-        not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://"))
-    ):
-        raise ConfigError(
-            f"{where}.{key}: {url!r} must start with redis://, rediss:// or unix:// (or be null)"
-        )
+    if url is None:
+        return None
+    schemes = ("redis://", "rediss://", "unix://", SENTINEL, CLUSTER)
+    if not isinstance(url, str) or not url.startswith(schemes):
+        raise ConfigError(f"{where}.{key}: {url!r} must start with {', '.join(schemes)} (or be null)")
+    if url.startswith((SENTINEL, CLUSTER)):
+        try:
+            parse_nodes(url)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.{key}: {exc}") from None
     return url
 
 
@@ -91,7 +134,10 @@ class RedisConfig:
     (a client of it can redirect traffic). AUTH/ACL users and TLS (``rediss://``) are supported."""
 
     url: str | None = custom(
-        DEFAULT_REDIS_URL, _redis_url, "redis://, rediss:// or unix://; null: no Redis (one replica)"
+        DEFAULT_REDIS_URL,
+        _redis_url,
+        "redis://, rediss:// or unix:// (one server), redis+sentinel://H:P,H:P/SERVICE (a primary "
+        "its Sentinels name), redis+cluster://H:P,H:P (a Redis Cluster); null: no Redis (one replica)",
     )
     timeout_s: float = millis(20, 1, 5000, "per command: past it Redis counts as down for retry_after_ms")
     decision_wait_s: float = millis(

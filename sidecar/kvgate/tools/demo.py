@@ -21,6 +21,7 @@ from typing import Any
 
 from kvgate.config import Config, ConfigError
 from kvgate.nginx_conf import NginxSettings
+from kvgate.tools import redis_topologies
 from kvgate.tools.launcher import Supervisor, launch_replica
 from kvgate.tools.readiness import write_private
 
@@ -118,6 +119,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 token,
                 args.sidecar_port if args.sidecar_port is not None else DEFAULT_SIDECAR_PORT,
             )
+            if args.redis != "server":
+                demo["redis"]["url"] = redis_topologies.url(args.redis, args.redis_port)
             config = Config.from_mapping(demo, {})  # checked now; written once the backends are known
     except ConfigError as exc:
         print(f"kvgate: invalid config: {exc}", file=sys.stderr)
@@ -135,7 +138,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     pid_file.write_text(str(os.getpid()))
     try:
         redis_port = _local_redis_port(config.redis.url)
-        if redis_port is not None and _answers_ping(redis_port):
+        if not args.config and args.redis != "server":
+            print(f"starting a local Redis {args.redis} from port {args.redis_port}: {config.redis.url}")
+            redis_topologies.start(sup, args.redis, args.redis_port)
+        elif redis_port is not None and _answers_ping(redis_port):
             # A Redis already runs there (Debian's own on 6379, say): use it, start none.
             print(f"using the Redis already running on 127.0.0.1:{redis_port}")
         elif redis_port is not None:

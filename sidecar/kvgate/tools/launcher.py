@@ -44,7 +44,7 @@ from kvgate.tools.readiness import (
 )
 
 
-def _bin(name: str) -> str:
+def executable(name: str) -> str:
     """A console script of this environment (next to the running interpreter), else from PATH."""
     local = Path(sys.executable).parent / name
     if local.exists():
@@ -165,7 +165,7 @@ class Supervisor:
         return self.spawn(
             name,
             [
-                _bin("redis-server"),
+                executable("redis-server"),
                 "--port",
                 str(port),
                 "--bind",
@@ -189,7 +189,7 @@ class Supervisor:
         self, port: int, instances: int = 1, name: str = "sim", *extra: str
     ) -> subprocess.Popen[bytes]:
         proc = self.spawn(
-            name, [_bin("vllm-sim"), "--port", str(port), "--instances", str(instances), *extra]
+            name, [executable("vllm-sim"), "--port", str(port), "--instances", str(instances), *extra]
         )
         for i in range(instances):
             wait_listening(proc, port=port + i)
@@ -208,7 +208,7 @@ class Supervisor:
         name: str = "sidecar",
         env: Mapping[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
-        argv = [_bin("kvgate"), "sidecar", "--config", str(config_path), *self.sidecar_args]
+        argv = [executable("kvgate"), "sidecar", "--config", str(config_path), *self.sidecar_args]
         return self.spawn(name, argv, env, ready=lambda p: wait_listening(p, unix=socket_path))
 
     def start_nginx(self, settings: NginxSettings, port: int, name: str = "nginx") -> subprocess.Popen[bytes]:
