@@ -104,11 +104,14 @@ def run_target(
     out: Path,
     peer_cpus: str | None = None,
     real: Sequence[str] = (),
+    replicas: int = 1,
 ) -> tuple[Summary, list[float]]:
     """One live run: fresh simulated backends (clean caches), or the real fleet ``real`` with its
-    prefix caches reset; ``target`` in front of them, the workload at ``speedup``. Returns its
-    summary and its TTFTs (simulated seconds)."""
-    sup = Supervisor(out / "run" / target.replace(":", "-"))
+    prefix caches reset; ``target`` in front of them (kvgate: ``replicas`` gateway replicas, the
+    client's requests spread over them at random), the workload at ``speedup``. Returns its summary
+    and its TTFTs (simulated seconds)."""
+    label = target if replicas == 1 else f"{target} x{replicas} replicas"
+    sup = Supervisor(out / "run" / label.replace(":", "-").replace(" ", "-"))
     cpu = None
     try:
         if real:
@@ -133,23 +136,25 @@ def run_target(
                     str(i),
                 )
             workers = [f"http://127.0.0.1:{port + i}" for i in range(args.backends)]
-        url = start_target(sup, target, workers, args.time_scale, peer_cpus)
+        urls = start_target(sup, target, workers, args.time_scale, peer_cpus, replicas)
         with RunCpu(proc.pid for proc in sup.procs.values()) as used:
             lr = asyncio.run(
-                run_live(url, reqs, speedup * args.time_scale, workers, Progress(f"{target} x{speedup:g}"))
+                run_live(urls, reqs, speedup * args.time_scale, workers, Progress(f"{label} x{speedup:g}"))
             )
         cpu = used if real else None
-        gw = gateway_ttfts(sup.run_dir / "nginx-access.log")
+        logs = [sup.run_dir / "nginx-access.log"]
+        logs += [sup.run_dir / f"replica-{k}" / "nginx-access.log" for k in range(1, replicas)]
+        gw = [t for log in logs for t in gateway_ttfts(log)]
     finally:
         sup.stop_all()
-    row = summarize_live(target, lr, args.time_scale, speedup, gw, cpu, report.Slo.from_args(args))
+    row = summarize_live(label, lr, args.time_scale, speedup, gw, cpu, report.Slo.from_args(args))
     gw_note = (
         f"(gateway p50 {row.gateway_ttft_p50:.3f}s vs client {row.ttft_p50:.3f}s) "
         if row.gateway_ttft_p50 is not None
         else ""
     )
     print(
-        f"  {target:30} x{speedup:<4g} TTFT mean {row.ttft_mean:.3f}s p90 {row.ttft_p90:.3f}s "
+        f"  {label:30} x{speedup:<4g} TTFT mean {row.ttft_mean:.3f}s p90 {row.ttft_p90:.3f}s "
         f"{gw_note}"
         f"hit {row.hit_rate:.1%} imbalance {row.imbalance:.2f} errors {row.errors} "
         f"{'' if row.valid else 'INVALID ' + row.note}",
@@ -196,6 +201,14 @@ def add_parsers(sub: Any) -> None:
         type=int,
         default=256,
         help="--real-vllm: KV blocks (of 128 tokens) per server",
+    )
+    cp.add_argument(
+        "--replicas",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="kvgate targets: gateway replicas (Nginx + sidecar each, one Redis), the client spreading "
+        "requests over them at random; several values run side by side (peer routers: one instance)",
     )
     cp.add_argument("--out", default="bench-results/compare")
 
@@ -246,16 +259,17 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
             notes.append(f"fleet: {len(real)} real vLLM servers (CPU build, tiny model), in real time")
         for speedup in args.speedups:
             for repeat in range(args.repeats):
-                for target in targets:
+                runs = [(t, n) for t in targets for n in (args.replicas if t.startswith("kvgate:") else [1])]
+                for target, n in runs:
                     try:
-                        row, ttfts = run_target(args, target, speedup, reqs, out, args.peer_cpus, real)
+                        row, ttfts = run_target(args, target, speedup, reqs, out, args.peer_cpus, real, n)
                     except (OSError, RuntimeError, TimeoutError) as exc:
                         notes.append(f"{target} x{speedup:g} failed to run: {exc}")
                         print(notes[-1], file=sys.stderr)
                         continue
                     rows.append(row)
                     if speedup == args.speedups[0] and repeat == 0:
-                        cdfs[target] = ttfts
+                        cdfs[row.target] = ttfts
     fleet = f"{args.real_vllm} real vLLM servers" if args.real_vllm else f"{args.backends} backends"
     path = report.write(out, f"live compare, {args.workload}, {fleet}", head, rows, cdfs, notes)
     print(f"wrote {path}")

@@ -61,7 +61,7 @@ class LoadRow:
     cpu_ms: dict[str, tuple[float, float, int]] = field(default_factory=dict)
 
 
-def _families(text: str) -> dict[str, list[tuple[dict[str, str], float, str]]]:
+def metric_families(text: str) -> dict[str, list[tuple[dict[str, str], float, str]]]:
     out: dict[str, list[tuple[dict[str, str], float, str]]] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -69,7 +69,7 @@ def _families(text: str) -> dict[str, list[tuple[dict[str, str], float, str]]]:
     return out
 
 
-def _hist(fams: dict[str, list[tuple[dict[str, str], float, str]]], name: str) -> dict[float, float]:
+def histogram(fams: dict[str, list[tuple[dict[str, str], float, str]]], name: str) -> dict[float, float]:
     """Cumulative bucket counts of one histogram, by upper bound."""
     return {
         float(labels["le"]): value
@@ -78,7 +78,7 @@ def _hist(fams: dict[str, list[tuple[dict[str, str], float, str]]], name: str) -
     }
 
 
-def _quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
     """The upper bound of the bucket holding quantile ``q`` of the observations between two reads."""
     bounds = sorted(after)
     total = after[bounds[-1]] - before.get(bounds[-1], 0.0)
@@ -90,7 +90,9 @@ def _quantile(before: dict[float, float], after: dict[float, float], q: float) -
     return bounds[-1]
 
 
-def _counter(fams: dict[str, list[tuple[dict[str, str], float, str]]], name: str, **labels: str) -> float:
+def counter_value(
+    fams: dict[str, list[tuple[dict[str, str], float, str]]], name: str, **labels: str
+) -> float:
     """A counter's value (``name`` without ``_total``), or a histogram's count (``name`` ending in
     ``_count``: prometheus_client files it under the histogram's family)."""
     family, sample = name, None
@@ -103,11 +105,11 @@ def _counter(fams: dict[str, list[tuple[dict[str, str], float, str]]], name: str
     )
 
 
-async def _scrape(
+async def scrape_metrics(
     session: aiohttp.ClientSession, url: str
 ) -> dict[str, list[tuple[dict[str, str], float, str]]]:
     async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
-        return _families(await resp.text())
+        return metric_families(await resp.text())
 
 
 def encode_bodies(reqs: Sequence[BenchRequest]) -> list[bytes]:
@@ -126,8 +128,8 @@ async def run_load(
 ) -> LoadRow:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        g0 = await _scrape(session, url + "/kvgate/metrics")
-        s0 = await _scrape(session, sidecar_url + "/metrics") if sidecar_url else {}
+        g0 = await scrape_metrics(session, url + "/kvgate/metrics")
+        s0 = await scrape_metrics(session, sidecar_url + "/metrics") if sidecar_url else {}
         next_i = 0
         samples = []
 
@@ -143,27 +145,30 @@ async def run_load(
         await asyncio.gather(*(client() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
         await asyncio.sleep(0.3)  # the last outcome reports and histogram flushes (100 ms timers)
-        g1 = await _scrape(session, url + "/kvgate/metrics")
-        s1 = await _scrape(session, sidecar_url + "/metrics") if sidecar_url else {}
-    decisions = _counter(g1, "kvgate_gateway_decision_seconds_count") - _counter(
+        g1 = await scrape_metrics(session, url + "/kvgate/metrics")
+        s1 = await scrape_metrics(session, sidecar_url + "/metrics") if sidecar_url else {}
+    decisions = counter_value(g1, "kvgate_gateway_decision_seconds_count") - counter_value(
         g0, "kvgate_gateway_decision_seconds_count"
     )
 
     def failopen(reason: str) -> float:
         name = "kvgate_gateway_failopen"
-        return _counter(g1, name, reason=reason) - _counter(g0, name, reason=reason)
+        return counter_value(g1, name, reason=reason) - counter_value(g0, name, reason=reason)
 
     timeouts = failopen("timeout")
     late_name = "kvgate_gateway_late_replies"
-    late = _counter(g1, late_name, call="decide") - _counter(g0, late_name, call="decide")
+    late = counter_value(g1, late_name, call="decide") - counter_value(g0, late_name, call="decide")
     ok = [s.ttft for s in samples if s.ok]
     nginx_before, nginx_after = (
-        _hist(g0, "kvgate_gateway_decision_seconds"),
-        _hist(g1, "kvgate_gateway_decision_seconds"),
+        histogram(g0, "kvgate_gateway_decision_seconds"),
+        histogram(g1, "kvgate_gateway_decision_seconds"),
     )
-    side_before, side_after = _hist(s0, "kvgate_decision_seconds"), _hist(s1, "kvgate_decision_seconds")
+    side_before, side_after = (
+        histogram(s0, "kvgate_decision_seconds"),
+        histogram(s1, "kvgate_decision_seconds"),
+    )
     lag_name, cpu_wait = "kvgate_event_loop_lag_seconds", "kvgate_cpu_wait_seconds"
-    lag_before, lag_after = _hist(s0, lag_name), _hist(s1, lag_name)
+    lag_before, lag_after = histogram(s0, lag_name), histogram(s1, lag_name)
     return LoadRow(
         concurrency=concurrency,
         requests=len(samples),
@@ -176,12 +181,12 @@ async def run_load(
         failopen_other=failopen("refused") + failopen("error"),
         late_replies=late,
         miss_rate=timeouts / decisions if decisions else 0.0,
-        nginx_decision_p50_ms=_quantile(nginx_before, nginx_after, 0.5) * 1000,
-        nginx_decision_p99_ms=_quantile(nginx_before, nginx_after, 0.99) * 1000,
-        nginx_decision_p999_ms=_quantile(nginx_before, nginx_after, 0.999) * 1000,
-        sidecar_decision_p99_ms=_quantile(side_before, side_after, 0.99) * 1000 if side_after else 0.0,
-        sidecar_loop_lag_max_ms=_quantile(lag_before, lag_after, 1.0) * 1000 if lag_after else 0.0,
-        sidecar_cpu_wait_ms=(_counter(s1, cpu_wait) - _counter(s0, cpu_wait)) * 1000,
+        nginx_decision_p50_ms=bucket_quantile(nginx_before, nginx_after, 0.5) * 1000,
+        nginx_decision_p99_ms=bucket_quantile(nginx_before, nginx_after, 0.99) * 1000,
+        nginx_decision_p999_ms=bucket_quantile(nginx_before, nginx_after, 0.999) * 1000,
+        sidecar_decision_p99_ms=bucket_quantile(side_before, side_after, 0.99) * 1000 if side_after else 0.0,
+        sidecar_loop_lag_max_ms=bucket_quantile(lag_before, lag_after, 1.0) * 1000 if lag_after else 0.0,
+        sidecar_cpu_wait_ms=(counter_value(s1, cpu_wait) - counter_value(s0, cpu_wait)) * 1000,
     )
 
 

@@ -71,8 +71,11 @@ end
 """
 
 
-def static_backend_conf(run: Path, port: int) -> str:
+def static_backend_conf(run: Path, port: int, more_ports: Sequence[int] = ()) -> str:
+    """The static backend's config, listening on ``port`` (and ``more_ports``: several backends'
+    addresses served by one process)."""
     (run / "render.lua").write_text(RENDER_LUA)
+    more = "".join(f"\n    listen 127.0.0.1:{p} backlog=4096;" for p in more_ports)
     return f"""{_modules()}
 worker_processes 1; daemon off; pid {run}/backend.pid; error_log {run}/backend-error.log warn;
 events {{ worker_connections 4096; }}
@@ -81,7 +84,7 @@ http {{
   client_body_buffer_size 4m; keepalive_requests 1000000;
   init_by_lua_block {{ render = dofile("{run}/render.lua") }}
   server {{
-    listen 127.0.0.1:{port} backlog=4096;
+    listen 127.0.0.1:{port} backlog=4096;{more}
     location = /health {{ return 200 ''; }}
     location = /metrics {{ default_type text/plain; return 200 '{METRICS}'; }}
     location = /v1/models {{ default_type application/json;
@@ -149,14 +152,15 @@ def post(conn: http.client.HTTPConnection, body: bytes, name: str) -> float:
     return elapsed
 
 
-def start_peer(sup: Supervisor, target: str, backend: int) -> Target:
+def start_peer(sup: Supervisor, target: str, backend: int, more: Sequence[int] = ()) -> Target:
+    """A peer router over the static backend on ``backend`` (and ``more`` ports)."""
     kind, _, policy = target.partition(":")
     port = free_port()
     argv = [
         str(PEER_VENV / "bin" / kind),
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--worker-urls", f"http://127.0.0.1:{backend}",
+        "--worker-urls", *(f"http://127.0.0.1:{b}" for b in (backend, *more)),
         "--policy", policy,
         "--prometheus-port", str(free_port()),
         "--log-level", "warning",  # no log line per request, as kvgate's access log is off here

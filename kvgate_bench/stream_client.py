@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -122,13 +123,18 @@ async def one_request(session: aiohttp.ClientSession, url: str, r: BenchRequest,
 
 
 async def run_live(
-    url: str,
+    url: str | Sequence[str],
     reqs: Sequence[BenchRequest],
     rate_factor: float,
     backends: Sequence[str],
     progress: Callable[[int, int], None] | None = None,
 ) -> LiveRun:
-    """Send ``reqs`` at ``arrival / rate_factor`` wall seconds; ``rate_factor`` = speed-up x time scale."""
+    """Send ``reqs`` at ``arrival / rate_factor`` wall seconds; ``rate_factor`` = speed-up x time scale.
+    Several URLs (gateway replicas): each request to one of them at random (seeded), as a Kubernetes
+    Service spreads new connections."""
+    urls = [url] if isinstance(url, str) else list(url)
+    pick = random.Random(0)
+    to = [urls[pick.randrange(len(urls))] for _ in reqs]
     bodies = [json.dumps(r.body()).encode() for r in reqs]
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -143,7 +149,7 @@ async def run_live(
             at = start + r.arrival / rate_factor
             await asyncio.sleep(max(0.0, at - loop.time()))
             lags.append(loop.time() - at)
-            s = await one_request(session, url, r, bodies[i])
+            s = await one_request(session, to[i], r, bodies[i])
             done += 1
             if progress is not None and (done % 20 == 0 or done == len(reqs)):
                 progress(done, len(reqs))

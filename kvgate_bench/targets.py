@@ -65,43 +65,55 @@ def ensure_peer_venv() -> Path | None:
 
 
 def start_target(
-    sup: Supervisor, target: str, workers: list[str], time_scale: float, peer_cpus: str | None = None
-) -> str:
-    """Start ``target`` in front of ``workers``; returns its base URL once it routes. ``peer_cpus``
-    (a ``taskset`` CPU list) pins a peer router, for a peer that would otherwise starve the
-    simulators of CPU."""
+    sup: Supervisor,
+    target: str,
+    workers: list[str],
+    time_scale: float,
+    peer_cpus: str | None = None,
+    replicas: int = 1,
+) -> list[str]:
+    """Start ``target`` in front of ``workers``; returns its base URLs once it routes (kvgate: one
+    per gateway replica, ``replicas`` of them on one Redis; a peer router: one). ``peer_cpus`` (a
+    ``taskset`` CPU list) pins a peer router, for a peer that would otherwise starve the simulators
+    of CPU."""
     kind, _, policy = target.partition(":")
-    port = free_port()
     if kind == "kvgate":
         policy, _, variant = policy.partition("+")
         extra = KVGATE_VARIANTS[variant] if variant else {}
         redis_port = free_port()
         sup.start_redis(redis_port)
         interval = max(50, int(virtual.SCRAPE_INTERVAL_S * 1000 / time_scale))  # as the replay's
-        sock = str(sup.run_dir / "sidecar.sock")
-        cfg: dict[str, Any] = {
-            "listen": {"socket": sock, "http_port": free_port()},
-            "redis": {"url": f"redis://127.0.0.1:{redis_port}/0"},
-            "scrape": {
-                "interval_ms": interval,
-                "timeout_ms": min(interval, 250),
-                "stale_after_ms": 4 * interval,
-            },
-            "routing": {"policy": policy},
-            "backends": [{"id": f"sim-{i}", "url": u} for i, u in enumerate(workers)],
-        }
-        cfg["gateway"] = {"route_headers": True}  # the report counts each backend's share
-        for section, values in extra.items():
-            cfg[section] = {**cfg.get(section, {}), **values}
-        settings = NginxSettings.from_config(
-            Config.from_mapping(cfg, {}),
-            listen=f"127.0.0.1:{port}",
-            run_dir=str(sup.run_dir),
-            workers=2,
-            access_log=True,
-        )
-        (sup.run_dir / "nginx-access.log").unlink(missing_ok=True)  # one run's requests only
-        return launch_replica(sup, "kvgate", cfg, settings).url
+        urls = []
+        for k in range(replicas):
+            # Replica 0 keeps the names one replica always had (its access log is read the same way).
+            run_dir = sup.run_dir if k == 0 else sup.run_dir / f"replica-{k}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            cfg: dict[str, Any] = {
+                "listen": {"socket": str(run_dir / "sidecar.sock"), "http_port": free_port()},
+                "redis": {"url": f"redis://127.0.0.1:{redis_port}/0"},
+                "scrape": {
+                    "interval_ms": interval,
+                    "timeout_ms": min(interval, 250),
+                    "stale_after_ms": 4 * interval,
+                },
+                "routing": {"policy": policy},
+                "backends": [{"id": f"sim-{i}", "url": u} for i, u in enumerate(workers)],
+            }
+            cfg["gateway"] = {"route_headers": True}  # the report counts each backend's share
+            for section, values in extra.items():
+                cfg[section] = {**cfg.get(section, {}), **values}
+            settings = NginxSettings.from_config(
+                Config.from_mapping(cfg, {}),
+                listen=f"127.0.0.1:{free_port()}",
+                run_dir=str(run_dir),
+                workers=2,
+                access_log=True,
+            )
+            (run_dir / "nginx-access.log").unlink(missing_ok=True)  # one run's requests only
+            name = "kvgate" if k == 0 else f"kvgate-{k}"
+            urls.append(launch_replica(sup, name, cfg, settings).url)
+        return urls
+    port = free_port()
     # Both peers take the same flags; sglang-router needs "launch" and a metrics port of its own.
     common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers, "--policy", policy]
     if kind == "vllm-router":
@@ -119,7 +131,7 @@ def start_target(
     wait_ready(
         proc, "it lists the workers' model", lambda: bool(get_json(url + "/v1/models").get("data")), 60
     )
-    return url
+    return [url]
 
 
 @contextlib.contextmanager

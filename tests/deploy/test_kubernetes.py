@@ -134,3 +134,59 @@ def test_the_podmonitor_scrapes_both_halves_on_ports_the_pod_names() -> None:
     assert (
         endpoints == {("metrics", "/metrics"), ("http", "/kvgate/metrics")} and {"metrics", "http"} <= named
     )
+
+
+AUTOSCALING = K8S / "autoscaling"
+
+
+@pytest.mark.parametrize("name", ["hpa.yaml", "prometheus-adapter-rules.yaml"])
+def test_the_autoscaling_manifests_pass_the_kubernetes_schema(name: str) -> None:
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "kubernetes-validate"),
+            "--strict",
+            "-k",
+            KUBERNETES_VERSION,
+            str(AUTOSCALING / name),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "passed" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_autoscaler_scales_the_gateway_on_the_metric_the_adapter_serves() -> None:
+    """The HPA targets the gateway Deployment, never below what the disruption budget keeps; its
+    custom metric is the one the adapter rule names, built from a series Nginx exports."""
+    kustomization = yaml.safe_load((AUTOSCALING / "kustomization.yaml").read_text())
+    assert set(kustomization["resources"]) == {p.name for p in AUTOSCALING.glob("*.yaml")} - {
+        "kustomization.yaml"
+    }
+    hpa = yaml.safe_load((AUTOSCALING / "hpa.yaml").read_text())
+    m = manifests()
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "Deployment"
+    assert hpa["spec"]["scaleTargetRef"]["name"] == m["Deployment/kvgate"]["metadata"]["name"]
+    assert hpa["spec"]["minReplicas"] > m["PodDisruptionBudget/kvgate"]["spec"]["minAvailable"]
+    (pods,) = [x["pods"] for x in hpa["spec"]["metrics"] if x["type"] == "Pods"]
+    adapter = yaml.safe_load(
+        yaml.safe_load((AUTOSCALING / "prometheus-adapter-rules.yaml").read_text())["data"]["config.yaml"]
+    )
+    (rule,) = adapter["rules"]
+    assert rule["name"]["as"] == pods["metric"]["name"]
+    series = rule["seriesQuery"].split("{")[0]
+    assert series.removesuffix("_count") in (ROOT / "lua" / "kvgate" / "stats.lua").read_text()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis+sentinel://sentinel-0.redis:26379,sentinel-1.redis:26379/kvgate",
+        "redis+cluster://redis-cluster-0.redis:6379,redis-cluster-1.redis:6379",
+    ],
+)
+def test_the_config_takes_a_sentinel_or_cluster_url_from_the_secret(url: str) -> None:
+    m = manifests()
+    secret = {**m["Secret/kvgate-redis"]["stringData"], "KVGATE_REDIS_URL": url}
+    config = Config.from_mapping(yaml.safe_load(m["ConfigMap/kvgate-config"]["data"]["kvgate.yaml"]), secret)
+    assert config.redis.url == url
