@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from typing import Any
 
 from kvgate.config import Config, PolicyName
 from kvgate.metrics import SidecarMetrics
@@ -31,12 +32,15 @@ class Affinity:
         self, key: str, d: Decision, req: Request, snap: Snapshot, policy: PolicyName, confirmed: bool
     ) -> Decision:
         """The decision as the session store lets it stand (the same one, or one decided again)."""
-        count = self.metrics.affinity
+
+        def count(outcome: str) -> Any:
+            return self.metrics.of(self.metrics.affinity, outcome)
+
         if d.session is SessionAction.KEEP and confirmed:
-            count.labels("hit").inc()
+            count("hit").inc()
             return d
         if d.session is SessionAction.REBIND:
-            count.labels("rebind").inc()
+            count("rebind").inc()
             await self.sessions.within(self.sessions.rebind(key, d.candidates[0]))
             logger.debug("rebound %s from %s to %s (%s)", key, req.bound, d.candidates[0], d.label)
             return d
@@ -49,23 +53,23 @@ class Affinity:
             return d
         claimed = await self.sessions.within(self.sessions.claim(key, d.candidates[0]))
         if claimed is None:
-            count.labels("unconfirmed").inc()
+            count("unconfirmed").inc()
             return d
         winner, existed = claimed
         if not existed:
-            count.labels("miss").inc()
+            count("miss").inc()
             return d
         if winner == req.bound:  # the binding the decision assumed still holds
-            count.labels("hit").inc()
+            count("hit").inc()
             return d
         # The session was bound already (earlier, or by another replica): decide again knowing it.
         again = decide(
             policy, dataclasses.replace(req, bound=winner), snap, self.config.routing.max_candidates
         )
         if again.session is SessionAction.KEEP:
-            count.labels("hit").inc()
+            count("hit").inc()
             return again
-        count.labels("rebind").inc()
+        count("rebind").inc()
         await self.sessions.within(self.sessions.rebind(key, again.candidates[0]))
         return again
 
@@ -75,4 +79,5 @@ class Affinity:
         if task.cancelled() or task.exception() is not None:
             return
         bound, existed = task.result()
-        self.metrics.affinity.labels("miss" if not existed else "hit" if bound == pick else "rebind").inc()
+        outcome = "miss" if not existed else "hit" if bound == pick else "rebind"
+        self.metrics.of(self.metrics.affinity, outcome).inc()

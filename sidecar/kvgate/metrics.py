@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvgate.looplag import CpuWaitCollector
@@ -17,6 +19,7 @@ LATENCY_BUCKETS = (
 
 class SidecarMetrics:
     def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry = CollectorRegistry()
         self.decisions = Counter("kvgate_decisions", "Routing decisions.", ["policy", "reason"], registry=r)
         self.decision_latency = Histogram(
@@ -195,3 +198,14 @@ class SidecarMetrics:
             ["kind"],
             registry=r,
         )
+
+    def of(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, looked up once: prometheus_client checks the values and takes a
+        lock on every ``labels`` call, a few microseconds each, several times per decision (measured:
+        3 % of the sidecar's time at 1,700 decisions/s). For labelled metrics the hot path touches and
+        whose children are never removed."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found

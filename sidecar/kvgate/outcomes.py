@@ -82,13 +82,13 @@ class Outcomes:
         if not o.backend:
             return
         if o.cached_tokens is not None and o.status == 200:
-            self.metrics.reuse_tokens.labels("delivered").inc(o.cached_tokens)
+            self.metrics.of(self.metrics.reuse_tokens, "delivered").inc(o.cached_tokens)
         self.registry.outcome(o.backend, o.status, o.ttft, o.cut, now)
-        self.metrics.outcomes.labels(o.backend, "cut" if o.cut else str(o.status)).inc()
+        self.metrics.of(self.metrics.outcomes, o.backend, "cut" if o.cut else str(o.status)).inc()
         if o.ttft is not None:
-            self.metrics.ttft.labels(o.backend).observe(o.ttft)
+            self.metrics.of(self.metrics.ttft, o.backend).observe(o.ttft)
         elif o.duration is not None and o.kind is OutcomeKind.END:
-            self.metrics.e2e.labels(o.backend).observe(o.duration)
+            self.metrics.of(self.metrics.e2e, o.backend).observe(o.duration)
 
     def _learn_tokens(self, decision_id: str) -> None:
         """The backend has counted this request's prompt: its bytes go beside that count."""

@@ -183,11 +183,11 @@ class DecisionService:
                 self.registry.ledger.move(did, primary, uncached(primary))
         if f.hashes and policy.reads_prefixes:
             self.index.record(f.hashes, primary, plan.matched)
-        self.metrics.decisions.labels(policy.value, decision.label).inc()
+        self.metrics.of(self.metrics.decisions, policy.value, decision.label).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         routed = self.planner.routed(did, policy, plan, priority, (primary, uncached(primary)))
-        self.metrics.reuse_tokens.labels("available").inc(routed.reuse[0])
-        self.metrics.reuse_tokens.labels("captured").inc(routed.reuse[1])
+        self.metrics.of(self.metrics.reuse_tokens, "available").inc(routed.reuse[0])
+        self.metrics.of(self.metrics.reuse_tokens, "captured").inc(routed.reuse[1])
         self.recent.append((routed, f))
         return routed
 
