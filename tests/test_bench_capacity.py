@@ -20,6 +20,8 @@ def test_a_level_counts_only_within_the_fall_open_and_latency_bounds() -> None:
     assert not errored.within
     peer = Level("vllm-router:round_robin", 1024, 4, 500, 0, 100.0, 5.0)  # no decisions to count
     assert peer.within
+    peer.latency_p99_ms = MAX_DECISION_P99_MS * 2  # judged by its answers' p99
+    assert not peer.within
 
 
 def test_capacity_is_the_fastest_level_within_bounds_not_the_fastest_level() -> None:
@@ -28,4 +30,4 @@ def test_capacity_is_the_fastest_level_within_bounds_not_the_fastest_level() -> 
     assert best is not None and (best.clients, best.rps) == (16, 1000)
     assert capacity(rows, "kvgate", 51_200) is None
     text = markdown(rows, [1024, 51_200])
-    assert "| kvgate | 1000 (16)" in text and "| none |" in text
+    assert "| kvgate | 1000 (16); 1200;" in text and "none; 0 |" in text
