@@ -108,6 +108,7 @@ OWN_PARSERS = {
     "levers": ("kvgate_bench.levers", "each compute-scheduling lever alone and together, in virtual time"),
     "real-vs-sim": ("kvgate_bench.real_vs_sim", "calibrate the simulator on a real vLLM, then both fleets"),
     "capacity": ("kvgate_bench.capacity", "requests per second one gateway replica decides, and two"),
+    "fairness": ("kvgate_bench.fairness", "two tenants, one flooding: the gateway queue's fair order"),
 }
 
 

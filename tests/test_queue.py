@@ -123,3 +123,38 @@ def test_one_api_key_holds_at_most_its_share_and_the_others_still_get_in() -> No
         "f6"
     }
     assert len(q) == 0 and q.keys_waiting() == 0
+
+
+def test_fair_order_serves_a_quiet_tenant_ahead_of_one_that_floods() -> None:
+    """Tenant a flooded the queue first; tenant b's two requests come later. Virtual finish tags
+    interleave them: b's first request goes right after a's first, not after all of a's."""
+    q, clock = queue(order=DispatchOrder.FAIR, max_key_share=1.0)
+    for i in range(6):
+        waiting(q, f"a{i}", key="a")
+        clock.t += 0.1
+    waiting(q, "b0", key="b")
+    waiting(q, "b1", key="b")
+    assert order(q)[:4] == ["a0", "b0", "a1", "b1"]
+
+
+def test_fair_order_counts_the_service_a_tenant_had_recently() -> None:
+    """a was served 1,000 tokens just now (routed without waiting): b, served nothing, goes first
+    even though it came later; a's service then decays by half each window."""
+    q, clock = queue(order=DispatchOrder.FAIR, fair_window_s=10.0)
+    q.served(Features("m", None, "none", (), 4000, client_key="a"), 1000)
+    waiting(q, "a0", key="a")
+    clock.t += 1
+    waiting(q, "b0", key="b")
+    assert order(q) == ["b0", "a0"]
+    clock.t += 40  # four half-lives: 62 tokens left, less than b's request
+    q.served(Features("m", None, "none", (), 4000, client_key="b"), 100)
+    assert order(q) == ["a0", "b0"]
+
+
+def test_fair_order_keeps_priority_classes_and_arrival_order_within_a_tenant() -> None:
+    q, clock = queue(order=DispatchOrder.FAIR, max_key_share=1.0)
+    waiting(q, "a0", key="a", tokens=10)
+    clock.t += 1
+    waiting(q, "a1", key="a", tokens=10)
+    waiting(q, "urgent", key="b", priority=-1, tokens=10_000)
+    assert order(q) == ["urgent", "a0", "a1"]

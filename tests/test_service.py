@@ -117,3 +117,36 @@ def test_each_candidate_gets_a_first_byte_budget_learned_from_its_answers() -> N
         sc.service.report([Outcome.end(d, "", 499, False) for d in ("d50", "d51")])
 
     run(scenario())
+
+
+def test_with_the_fair_order_each_tenant_s_service_wait_and_depth_are_counted() -> None:
+    """Tenants (API keys) in the queue's metrics: tokens routed, requests waiting, the wait; the depth
+    is counted from the queue itself, so it is back to nothing once the queue is."""
+    import dataclasses
+
+    from kvgate.service import Queued
+    from prometheus_client import generate_latest
+
+    from tests.cores import core, idle
+
+    async def scenario() -> None:
+        sc = core(n=1, queue={"enabled": True, "order": "fair"})
+        (backend,) = sc.registry.backends
+        routed = await sc.service.decide(dataclasses.replace(features(0), client_key="team-a"), "d0")
+        assert not isinstance(routed, Queued)
+        idle(sc, backend, waiting=50)  # saturated: the next one waits
+        waiting = await sc.service.decide(dataclasses.replace(features(1), client_key="team-b"), "d1")
+        assert isinstance(waiting, Queued)
+        text = generate_latest(sc.metrics.registry).decode()
+        assert 'kvgate_tenant_queue_depth{tenant="team-b"} 1.0' in text
+        assert 'kvgate_tenant_routed_tokens_total{tenant="team-a"}' in text
+        idle(sc, backend)
+        sc.service.report([Outcome.end("d0", backend, 200, True, 0.1, 0.2)])
+        (done,) = await sc.service.dispatch()
+        assert done[0].decision_id == "d1"
+        text = generate_latest(sc.metrics.registry).decode()
+        assert "kvgate_tenant_queue_depth{" not in text  # nothing waits: no series
+        assert 'kvgate_tenant_queue_wait_seconds_count{tenant="team-b"} 1.0' in text
+        sc.service.report([Outcome.end("d1", backend, 200, True, 0.1, 0.2)])
+
+    run(scenario())

@@ -134,6 +134,20 @@ class SidecarMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # Per tenant (kvgate.tenants: an API key's name, else "anonymous"), with the gateway queue on.
+        self.tenant_tokens = Counter(
+            "kvgate_tenant_routed_tokens",
+            "Estimated prompt tokens routed, per tenant: the service the fair order balances.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_wait = Histogram(
+            "kvgate_tenant_queue_wait_seconds",
+            "Time a tenant's requests waited in the gateway queue.",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.pd_colocated = Counter(
             "kvgate_pd_colocated",
             "Requests for a disaggregated model served co-located: no prefill or no decode backend.",

@@ -7,12 +7,13 @@ must wait and dispatches them; Nginx holds the request itself (its connection to
 open while it waits, with a heartbeat, so a sidecar that dies never strands it).
 
 Order: lower priority value first (vLLM's sense), then by the configured order: first come first
-served, or shortest estimated prompt first with ageing (a request that waited ``ageing_s``, or
+served; shortest estimated prompt first with ageing (a request that waited ``ageing_s``, or
 ``ageing_fair_share`` times the wait first come first served would have given it, goes ahead of every
-younger one, in arrival order). Bounds: ``max_size`` waiting requests (past it a new one is
-refused), ``max_key_share`` of them for one API key (so that one key cannot fill the queue and
-refuse everyone else), and ``max_wait_s`` (past it a waiting one is refused); every refusal says
-when to retry.
+younger one, in arrival order); or fair between tenants (``kvgate.tenants``: the smallest virtual
+finish tag first, first come first served within a tenant). Bounds: ``max_size`` waiting requests
+(past it a new one is refused), ``max_key_share`` of them for one API key (so that one key cannot
+fill the queue and refuse everyone else), and ``max_wait_s`` (past it a waiting one is refused);
+every refusal says when to retry.
 
 Several replicas each run their own queue over the same backends. That they do not all pour into
 the slot one freed is the dispatch rule's business: each replica may keep only its share of a
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 from kvgate.config import DispatchOrder, PolicyName, QueueConfig
 from kvgate.features import Features
+from kvgate.tenants import TenantLedger, tenant_of
 
 RATE_HALF_LIFE_S = 10.0  # the dispatch-rate estimate behind Retry-After forgets at this pace
 
@@ -65,6 +67,7 @@ class GatewayQueue:
     def __init__(self, config: QueueConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
+        self.tenants = TenantLedger(config.fair_window_s)  # service per tenant, for the fair order
         self._waiting: dict[str, Waiting] = {}
         self._per_key: dict[str, int] = {}  # waiting requests of each API key
         self._rate = 0.0  # dispatches per second, smoothed
@@ -107,6 +110,9 @@ class GatewayQueue:
     def remove(self, decision_id: str) -> Waiting | None:
         return self._take(decision_id)
 
+    def waiting_features(self) -> list[Features]:
+        return [w.features for w in self._waiting.values()]
+
     def keys_waiting(self) -> int:
         """API keys with requests waiting (bounded: it empties with the queue)."""
         return len(self._per_key)
@@ -139,6 +145,8 @@ class GatewayQueue:
             waited = now - w.arrived
             return waited >= ageing or (multiple is not None and waited >= multiple * w.fair_s)
 
+        if self.config.order is DispatchOrder.FAIR:
+            return self._fair(now)
         if self.config.order is DispatchOrder.SHORTEST:
             return sorted(
                 self._waiting.values(),
@@ -147,6 +155,24 @@ class GatewayQueue:
                 ),
             )
         return sorted(self._waiting.values(), key=lambda w: (w.priority, w.arrived))
+
+    def _fair(self, now: float) -> list[Waiting]:
+        """Each request's virtual finish tag: its tenant's attained service, plus the tokens of that
+        tenant's requests waiting ahead of it, plus its own; the smallest first."""
+        ahead: dict[str, float] = {}
+        tagged = []
+        for w in sorted(self._waiting.values(), key=lambda w: w.arrived):
+            tenant = tenant_of(w.features)
+            if tenant not in ahead:
+                ahead[tenant] = self.tenants.attained(tenant, now)
+            ahead[tenant] += w.tokens
+            tagged.append((w.priority, ahead[tenant], w.arrived, w))
+        tagged.sort(key=lambda t: t[:3])
+        return [t[3] for t in tagged]
+
+    def served(self, f: Features, tokens: int) -> None:
+        """A request was routed (from the queue or not): its tenant's service grows."""
+        self.tenants.served(tenant_of(f), tokens, self.clock())
 
     def retry_after(self) -> int:
         """Seconds until the queue should have room: its length over the recent dispatch rate."""

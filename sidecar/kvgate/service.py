@@ -39,6 +39,7 @@ from kvgate.prefix_index import PrefixIndex
 from kvgate.queue import GatewayQueue, QueueFull, QueueTimeout, Waiting
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
+from kvgate.tenants import DepthCollector, label_of, tenant_of
 from kvgate.tokenize import TokenSource
 from kvgate.tokens import TokenEstimator
 
@@ -85,6 +86,8 @@ class DecisionService:
         self.tokenizer: TokenSource | None = None  # set by the app, which owns the HTTP session
         self.first_byte = FirstByteBudget(config.gateway)
         self.queue = GatewayQueue(config.queue) if config.queue.enabled else None
+        if self.queue is not None:
+            metrics.registry.register(DepthCollector(self.queue.waiting_features))
         self.admission = Admission(config, metrics, limiter)
         self.planner = Planner(config, registry, sessions, index, metrics, self.first_byte, exact)
         self.affinity = Affinity(config, sessions, metrics)
@@ -188,6 +191,9 @@ class DecisionService:
         routed = self.planner.routed(did, policy, plan, priority, (primary, uncached(primary)))
         self.metrics.of(self.metrics.reuse_tokens, "available").inc(routed.reuse[0])
         self.metrics.of(self.metrics.reuse_tokens, "captured").inc(routed.reuse[1])
+        if self.queue is not None:  # every routed request is service its tenant had (fair order)
+            self.queue.served(f, f.est_tokens)
+            self.metrics.of(self.metrics.tenant_tokens, label_of(tenant_of(f))).inc(f.est_tokens)
         self.recent.append((routed, f))
         return routed
 
@@ -224,7 +230,9 @@ class DecisionService:
             else:
                 self.metrics.no_backend.inc()
                 routed = Routed(w.decision_id, w.policy, plan.decision, (), plan.pool, w.priority)
-            self.metrics.queue_wait.observe(queue.dispatched(w))
+            waited = queue.dispatched(w)
+            self.metrics.queue_wait.observe(waited)
+            self.metrics.of(self.metrics.tenant_wait, label_of(tenant_of(f))).observe(waited)
             out.append((w, routed))
         self.metrics.queue_depth.set(len(queue))
         for w, result in out:

@@ -1,0 +1,17 @@
+"""Two tenants in virtual time: with the fair order a flooding tenant no longer makes the quiet one
+wait behind its flood, as first come first served does."""
+
+from __future__ import annotations
+
+from kvgate_bench.fairness import FLOOD, QUIET, run, two_tenants
+from kvgate_bench.workloads import DEFAULT_TRACE
+
+
+def test_the_fair_order_shields_the_quiet_tenant_from_the_flood() -> None:
+    reqs, tenants = two_tenants(DEFAULT_TRACE, 30.0, 3.0)
+    assert tenants.count(FLOOD) > 2 * tenants.count(QUIET)
+    fcfs = run(reqs, tenants, "fcfs", 4, "llama3-8b-h100")
+    fair = run(reqs, tenants, "fair", 4, "llama3-8b-h100")
+    assert fcfs[QUIET]["served"] == fair[QUIET]["served"] == tenants.count(QUIET)
+    assert fair[QUIET]["p90"] < fcfs[QUIET]["p90"] / 3, (fair[QUIET], fcfs[QUIET])
+    assert fair[FLOOD]["p90"] > fair[QUIET]["p90"]  # the flood pays for its own excess

@@ -1,0 +1,40 @@
+"""Tenants, their decaying service, and the queue depth per tenant as Prometheus reads it."""
+
+from __future__ import annotations
+
+from kvgate.features import Features
+from kvgate.tenants import ANONYMOUS, SWEEP_EVERY, DepthCollector, TenantLedger, label_of, tenant_of
+
+
+def f(key: str | None = None, addr: str | None = None) -> Features:
+    return Features("m", None, "none", (), 400, client_key=key, client_addr=addr)
+
+
+def test_a_tenant_is_its_api_key_else_its_address_and_labels_stay_bounded() -> None:
+    assert tenant_of(f("team-a", "10.0.0.1")) == "key:team-a"
+    assert tenant_of(f(None, "10.0.0.1")) == "addr:10.0.0.1"
+    assert tenant_of(f()) == ANONYMOUS
+    assert label_of("key:team-a") == "team-a"
+    assert label_of("addr:10.0.0.1") == label_of(ANONYMOUS) == ANONYMOUS  # addresses are unbounded
+
+
+def test_service_decays_by_half_each_window_and_old_tenants_are_forgotten() -> None:
+    ledger = TenantLedger(half_life_s=10.0)
+    ledger.served("a", 800, now=0.0)
+    assert ledger.attained("a", 0.0) == 800
+    assert abs(ledger.attained("a", 10.0) - 400) < 1e-6
+    ledger.served("a", 100, now=10.0)
+    assert abs(ledger.attained("a", 20.0) - 250) < 1e-6
+    assert ledger.attained("nobody", 5.0) == 0.0
+    for i in range(SWEEP_EVERY):  # a sweep, much later: "a" has decayed under one token
+        ledger.served(f"t{i}", 1000, now=1000.0)
+    assert len(ledger) == SWEEP_EVERY and ledger.attained("a", 1000.0) == 0.0
+
+
+def test_the_depth_collector_counts_what_waits_now() -> None:
+    waiting = [f("a"), f("a"), f("b"), f(None, "10.0.0.9")]
+    (family,) = DepthCollector(lambda: waiting).collect()
+    assert {s.labels["tenant"]: s.value for s in family.samples} == {"a": 2, "b": 1, ANONYMOUS: 1}
+    waiting.clear()
+    (family,) = DepthCollector(lambda: waiting).collect()
+    assert family.samples == []
