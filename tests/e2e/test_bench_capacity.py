@@ -23,5 +23,5 @@ def test_capacity_measures_one_and_two_replicas(tmp_path: Path) -> None:
         assert r["requests"] > 0 and r["errors"] == 0
         # Every request was decided (Nginx counted it) and none fell open at this load.
         assert r["decisions"] >= r["requests"] - r["errors"] and r["failopen"] == 0
-        assert r["sidecar_cpu_ms"] > 0 and r["nginx_cpu_ms"] > 0
+        assert r["sidecar_cpu_ms"] > 0 and r["proxy_cpu_ms"] > 0
     assert "| kvgate x2 |" in (tmp_path / "report.md").read_text()

@@ -93,7 +93,7 @@ def test_a_prompt_a_backend_holds_is_routed_there_though_no_decision_put_it_ther
             for k in ("captured", "delivered")
         }
 
-    wait_until(lambda: reuse()["delivered"] >= (N + 1) * 1400, timeout=5)
+    wait_until(lambda: reuse()["delivered"] >= (N + 1) * 1400, timeout=15)
     assert reuse()["captured"] >= (N + 1) * 1400, reuse()
     text = http_json("GET", metrics)[1]
     assert sample(text, "kvgate_tokenize_total", 'result="ok"') >= N + 1
