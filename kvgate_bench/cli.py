@@ -64,7 +64,7 @@ def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
             print(
                 f"  {label:16} x{speedup:<5g} TTFT mean {row.ttft_mean:.3f}s p90 {row.ttft_p90:.3f}s "
                 f"hit {row.hit_rate:.1%} (ideal {ideal:.1%}) imbalance {row.imbalance:.2f} "
-                f"[{run.wall_s:.0f}s]{regret(run.results)}",
+                f"[{run.wall_s:.0f}s]{regret(run.results)}{prediction(run.results)}",
                 file=sys.stderr,
             )
         out = Path(args.out) / f"{args.workload}-{n}-backends"
@@ -84,6 +84,22 @@ def regret(results: Sequence[Result]) -> str:
     return (
         f" predicted {predicted} / delivered {delivered} cached tokens, "
         f"gap p50 {gaps[len(gaps) // 2]:.1%} p90 {gaps[int(len(gaps) * 0.9)]:.1%} of the prompt"
+    )
+
+
+def prediction(results: Sequence[Result]) -> str:
+    """How far the sidecar's expected TTFT (``Routed.predicted_ttft_s``) was from the one served:
+    |observed - predicted| / observed, over the requests it made a prediction for."""
+    errors = sorted(
+        abs(r.ttft - r.predicted_ttft) / r.ttft
+        for r in results
+        if r.predicted_ttft is not None and r.ttft > 0
+    )
+    if not errors:
+        return ""
+    return (
+        f"; TTFT predicted for {len(errors)} of {len(results)}, error p50 "
+        f"{errors[len(errors) // 2]:.0%} p90 {errors[int(len(errors) * 0.9)]:.0%}"
     )
 
 

@@ -63,6 +63,7 @@ class Result:
     reason: str
     predicted_tokens: int = 0  # cached prompt tokens the sidecar's index predicted on its backend
     replica: int = 0  # the gateway replica that routed it
+    predicted_ttft: float | None = None  # the sidecar's expected seconds to its first token
 
 
 class Sent(NamedTuple):
@@ -174,7 +175,7 @@ def replay(
     in_step = [0] * backends  # prompt tokens of each engine's step in progress
     meta: dict[str, Sent] = {}  # engine request id -> what was sent
     awaiting_first: set[str] = set()  # requests whose first token Nginx has not reported yet
-    predicted: dict[int, int] = {}  # request -> prompt tokens the index said its backend holds
+    predicted: dict[int, tuple[int, float | None]] = {}  # request -> (held tokens, expected TTFT)
     run = Run(policy.value, backends, speedup)
     seq = itertools.count()
     events: list[tuple[float, int, int, str, Any]] = []
@@ -213,6 +214,7 @@ def replay(
         first = req.first_token_time if req.first_token_time is not None else req.finish_time or req.arrival
         end = req.finish_time if req.finish_time is not None else first
         itl = (end - first) / (req.num_output - 1) if req.num_output > 1 else None
+        held, expected = predicted.pop(sent.rid, (0, None))
         run.results.append(
             Result(
                 sent.rid,
@@ -225,8 +227,9 @@ def replay(
                 req.cached_tokens or 0,
                 req.num_output,
                 sent.reason,
-                predicted.pop(sent.rid, 0),
+                held,
                 sent.replica,
+                expected,
             )
         )
         cached = req.cached_tokens
@@ -261,7 +264,7 @@ def replay(
                 f"r{r.rid}", r.prompt_ids(), r.output_tokens, arrived, ignore_eos=True, priority=priority
             )
             awaiting_first.add(req.request_id)
-        predicted[r.rid] = routed.reuse[1]
+        predicted[r.rid] = (routed.reuse[1], routed.predicted_ttft_s)
         meta[req.request_id] = Sent(r.rid, routed.decision_id, backend, routed.label, k)
         delay = frontend + r.prompt_tokens * frontend_per_token_s
         heapq.heappush(events, (t + delay, 2, next(seq), "enqueue", (ids.index(backend), req)))

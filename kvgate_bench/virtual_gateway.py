@@ -64,6 +64,7 @@ class Gateways:
             core.registry.set_replicas(len(self.replicas))
             if core.service.queue is not None:
                 core.service.queue.clock = clock
+            core.registry.ledger.clock = clock  # first bytes learned in virtual seconds
             core.registry.set_membership((b, False) for b in config.backends)
             for bid in core.registry.backends:
                 core.registry.set_models(bid, models)

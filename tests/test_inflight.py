@@ -40,3 +40,37 @@ def test_a_drop_ends_a_decision_even_when_it_overtakes_the_decision() -> None:
         assert sum(sc.registry.ledger.counts.values()) == 0 and counted.decision_id == "gw.1"
 
     run(scenario())
+
+
+def test_each_decision_expects_a_first_byte_time_and_its_error_is_measured_on_the_ledger_clock() -> None:
+    """Once a backend has answered enough, each decision carries the seconds the first-byte model
+    expects (in /debug/decisions too), and the error against the first byte that came is observed:
+    on the ledger's own clock, which the virtual replay sets to its simulated time."""
+    from prometheus_client import generate_latest
+
+    async def scenario() -> None:
+        sc = ready(config(None, backends=1, policy="round_robin"), None)
+        now = [0.0]
+        sc.registry.ledger.clock = lambda: now[0]
+        for i in range(8):  # each first byte 0.2 simulated seconds after its decision
+            r = await sc.service.route(features(i), f"d{i}")
+            assert r.predicted_ttft_s is None or abs(r.predicted_ttft_s - 0.2) < 0.05
+            now[0] += 0.2
+            sc.service.report([Outcome.first(f"d{i}", r.candidates[0].id)])
+            sc.service.report([Outcome.end(f"d{i}", r.candidates[0].id, 200, True, 0.2, 0.3)])
+        learned = await sc.service.route(features(50), "d50")
+        assert learned.predicted_ttft_s is not None and abs(learned.predicted_ttft_s - 0.2) < 0.05
+        now[0] += 0.4  # twice as long as expected: an error of about a half
+        sc.service.report([Outcome.first("d50", learned.candidates[0].id)])
+        text = generate_latest(sc.metrics.registry).decode()
+        assert 'kvgate_ttft_prediction_error_bucket{backend="b0",le="0.5"}' in text
+        count = next(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("kvgate_ttft_prediction_error_count")
+        )
+        assert count >= 1
+        sc.service.report([Outcome.end("d50", learned.candidates[0].id, 200, True, 0.4, 0.5)])
+        assert len(sc.registry.ledger) == 0
+
+    run(scenario())

@@ -285,6 +285,7 @@ class HttpApi:
                 "prompt_bytes": f.prompt_bytes,
                 "reuse_available": r.reuse[0],  # prompt tokens held on the best eligible backend
                 "reuse_captured": r.reuse[1],  # ... on the chosen one, as the index said
+                "predicted_ttft_s": r.predicted_ttft_s,  # expected seconds to the first byte
             }
             for r, f in self.service.recent
         ]

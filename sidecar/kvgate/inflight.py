@@ -10,6 +10,7 @@ that crashed) stops counting after ``INFLIGHT_EXPIRY_S``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -27,6 +28,7 @@ class _Entry:
     model: str | None = None
     prompt_bytes: int = 0  # the prompt's size, until the backend has counted its tokens (then 0)
     work: int = 0  # prefill tokens ahead of its first token when routed (others' queued and its own)
+    predicted: float | None = None  # its expected seconds to the first byte, when routed
 
 
 class FirstByte(NamedTuple):
@@ -35,6 +37,7 @@ class FirstByte(NamedTuple):
     backend: str
     work: int  # prefill tokens ahead of it when it was routed there
     seconds: float  # from the decision to its first-byte report
+    predicted: float | None = None  # what was expected when it was routed (kvgate.first_byte)
 
 
 class Served(NamedTuple):
@@ -49,6 +52,9 @@ class Served(NamedTuple):
 class InflightLedger:
     def __init__(self, known: Callable[[str], bool]) -> None:
         self._known = known  # whether a backend is still a member (a decision may outlive it)
+        # When a decision was made and its first byte came: the virtual replay sets its own clock,
+        # so the first-byte model (kvgate.first_byte) learns in its time.
+        self.clock: Callable[[], float] = time.monotonic
         self._entries: dict[str, _Entry] = {}
         self._dropped: dict[str, float] = {}  # decision id -> when its drop came
         self.counts: dict[str, int] = {}  # backend -> requests routed, not reported
@@ -132,7 +138,16 @@ class InflightLedger:
         self.tokens[b] = max(0, self.tokens.get(b, 0) - entry.tokens)
         entry.tokens = 0
         work, entry.work = entry.work, -1  # once per request
-        return FirstByte(b, work, now - entry.at) if backend == b else None
+        return FirstByte(b, work, now - entry.at, entry.predicted) if backend == b else None
+
+    def expect(self, decision_id: str, predict: Callable[[str, int], float | None]) -> float | None:
+        """The decision's expected seconds to its first byte on its backend, from the prefill ahead
+        of it there (``predict(backend, work)``), kept to be set against what comes."""
+        entry = self._entries.get(decision_id)
+        if entry is None or entry.work < 0:
+            return None
+        entry.predicted = predict(entry.backend, entry.work)
+        return entry.predicted
 
     def expire(self, now: float) -> None:
         for did in [d for d, e in self._entries.items() if now - e.at > INFLIGHT_EXPIRY_S]:

@@ -134,6 +134,14 @@ class SidecarMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.ttft_prediction_error = Histogram(
+            "kvgate_ttft_prediction_error",
+            "|observed - predicted| / observed seconds to a decision's first byte, per backend: how "
+            "well the learned prefill model (kvgate.first_byte) knows each backend.",
+            ["backend"],
+            buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0),
+            registry=r,
+        )
         # Per tenant (kvgate.tenants: an API key's name, else "anonymous"), with the gateway queue on.
         self.tenant_tokens = Counter(
             "kvgate_tenant_routed_tokens",

@@ -50,7 +50,7 @@ class Outcomes:
             elif o.kind is OutcomeKind.DROP:
                 assert o.decision_id is not None
                 self._leave_queue(o.decision_id)
-                self.registry.ledger.drop(o.decision_id, now)
+                self.registry.ledger.drop(o.decision_id, self.registry.ledger.clock())
                 self.admission.forget(o.decision_id)
                 self.metrics.dropped.inc()
             else:
@@ -60,9 +60,13 @@ class Outcomes:
         assert o.decision_id is not None
         self._learn_tokens(o.decision_id)
         self.registry.alive(o.backend, now)
-        answered = self.registry.ledger.prefill_done(o.decision_id, o.backend, now)
+        ledger = self.registry.ledger
+        answered = ledger.prefill_done(o.decision_id, o.backend, ledger.clock())
         if answered is not None:
-            self.first_byte.learn(*answered)
+            if answered.predicted is not None and answered.seconds > 0:
+                error = abs(answered.seconds - answered.predicted) / answered.seconds
+                self.metrics.of(self.metrics.ttft_prediction_error, o.backend).observe(error)
+            self.first_byte.learn(answered.backend, answered.work, answered.seconds)
             if len(self.first_byte) > len(self.registry.backends):
                 self.first_byte.forget(set(self.registry.backends))
         if o.response_id is not None:

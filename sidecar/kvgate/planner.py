@@ -38,6 +38,7 @@ class Routed:
     first_byte_ms: tuple[int, ...] = ()  # each candidate's first-byte timeout (kvgate.first_byte)
     # Prompt tokens the index says are held: on the best eligible backend, on the chosen one.
     reuse: tuple[int, int] = (0, 0)
+    predicted_ttft_s: float | None = None  # expected seconds to the first byte (kvgate.first_byte)
 
     @property
     def label(self) -> str:
@@ -181,7 +182,13 @@ class Planner:
         return strict or not any(snap.has_room(n) for n in snap.nodes)
 
     def routed(
-        self, did: str, policy: PolicyName, plan: Plan, priority: int, counted: tuple[str, int] = ("", 0)
+        self,
+        did: str,
+        policy: PolicyName,
+        plan: Plan,
+        priority: int,
+        counted: tuple[str, int] = ("", 0),
+        predicted: float | None = None,
     ) -> Routed:
         """The decision as Nginx gets it; ``counted``: the backend this request is already counted
         in flight on, with its tokens (not work ahead of itself)."""
@@ -197,7 +204,9 @@ class Planner:
         f = plan.req.features
         held = {n: f.est_tokens - uncached_tokens(f, d) for n, d in plan.req.prefix_depth.items()}
         reuse = (max(held.values(), default=0), held.get(plan.decision.candidates[0], 0))
-        return Routed(did, policy, plan.decision, pairs(ids), plan.pool, priority, prefill, budgets, reuse)
+        return Routed(
+            did, policy, plan.decision, pairs(ids), plan.pool, priority, prefill, budgets, reuse, predicted
+        )
 
     def _first_byte(self, plan: Plan, ids: tuple[str, ...], counted: tuple[str, int]) -> tuple[int, ...]:
         """Each candidate's first-byte timeout: the prefill ahead of this request there, as the

@@ -177,7 +177,8 @@ class DecisionService:
             return uncached_tokens(f, req.prefix_depth.get(backend, 0))
 
         primary = decision.candidates[0]
-        self.registry.ledger.start(did, primary, uncached(primary), time.monotonic(), f.model, f.prompt_bytes)
+        ledger = self.registry.ledger
+        ledger.start(did, primary, uncached(primary), ledger.clock(), f.model, f.prompt_bytes)
         if policy is PolicyName.KVGATE and f.key and snap.nodes:
             decision = await self.affinity.settle(f.key, decision, req, snap, policy, plan.confirmed)
             plan = dataclasses.replace(plan, decision=decision)
@@ -188,7 +189,8 @@ class DecisionService:
             self.index.record(f.hashes, primary, plan.matched)
         self.metrics.of(self.metrics.decisions, policy.value, decision.label).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
-        routed = self.planner.routed(did, policy, plan, priority, (primary, uncached(primary)))
+        predicted = self.registry.ledger.expect(did, self.first_byte.predict)
+        routed = self.planner.routed(did, policy, plan, priority, (primary, uncached(primary)), predicted)
         self.metrics.of(self.metrics.reuse_tokens, "available").inc(routed.reuse[0])
         self.metrics.of(self.metrics.reuse_tokens, "captured").inc(routed.reuse[1])
         if self.queue is not None:  # every routed request is service its tenant had (fair order)

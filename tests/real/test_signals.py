@@ -91,8 +91,9 @@ def stream_timings(port: int, body: dict[str, object]) -> tuple[float, float]:
 
 def test_the_gateways_ttft_is_the_first_token_not_the_headers(kvgate: Gateway, tokens: Tokens) -> None:
     """vLLM sends a stream's headers when it accepts the request and its first event with the first
-    token. For an 8k-token prompt the gateway's TTFT (its first body byte) is within 10 ms of what
-    the client measures, and far from the header time."""
+    token. For an 8k-token prompt the gateway's TTFT (its first body byte) is within 3 % of what the
+    client measures (the client's own wakeup on a host whose cores vLLM's prefill saturates was seen
+    40 ms late, once in CI), and far from the header time."""
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": tokens.text(8000, 7)}],
@@ -105,5 +106,5 @@ def test_the_gateways_ttft_is_the_first_token_not_the_headers(kvgate: Gateway, t
     headers_at, first_at = stream_timings(kvgate.port, body)
     wait_until(lambda: kvgate.sidecar_metric("kvgate_gateway_ttft_seconds_count") == count + 1, timeout=5)
     gateway = kvgate.sidecar_metric("kvgate_gateway_ttft_seconds_sum") - before
-    assert abs(gateway - first_at) < 0.010, (gateway, first_at)
+    assert abs(gateway - first_at) < max(0.010, 0.03 * first_at), (gateway, first_at)
     assert first_at > 0.3 and headers_at < first_at / 3, (headers_at, first_at)
