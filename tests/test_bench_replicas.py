@@ -3,7 +3,6 @@ through Redis, in-flight load shared as the sidecars share it (``kvgate.shared_l
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from collections import Counter, defaultdict
 
@@ -74,24 +73,6 @@ def test_shared_load_spreads_prompts_the_replicas_send_between_two_scrapes() -> 
     assert len(islands.results) == len(shared.results) == len(reqs)
     mean = statistics.fmean
     assert mean(r.ttft for r in shared.results) < 0.9 * mean(r.ttft for r in islands.results)
-
-
-def test_replicas_with_gateway_queues_dispatch_every_request_they_queued(sessions) -> None:  # type: ignore[no-untyped-def]
-    reqs, feats = sessions
-    burst = [dataclasses.replace(r, arrival=0.0) for r in reqs[:60]]
-    run = replay(
-        burst,
-        feats,
-        PolicyName.KVGATE,
-        2,
-        LLAMA3_8B_H100,
-        routing={"saturation_waiting": 1, "saturation_prefill_tokens": 2048},
-        extra={"queue": {"enabled": True, "order": "shortest", "max_wait_ms": 600_000}},
-        replicas=3,
-    )
-    assert len(run.results) == 60 and run.rejected == 0
-    assert 0 < len(run.queue_waits) < 60
-    assert {r.replica for r in run.results} == {0, 1, 2}
 
 
 def test_every_replica_reads_the_engines_kv_events() -> None:

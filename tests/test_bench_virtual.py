@@ -67,9 +67,11 @@ def test_the_first_scrape_happens_at_the_phase_asked_then_every_interval(chat) -
     assert all(b - a == pytest.approx(0.5) for a, b in itertools.pairwise(seen))
 
 
-def test_a_replay_with_the_gateway_queue_records_each_wait(chat) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_a_replay_with_the_gateway_queue_records_each_wait(chat, replicas: int) -> None:  # type: ignore[no-untyped-def]
     """A burst (every request at once, 8 times the rate) on backends that count as full early: some
-    requests wait in the gateway queue, each wait is recorded, and their TTFT includes it."""
+    requests wait in the gateway queue, each wait is recorded, and their TTFT includes it. With
+    several replicas each dispatches every request it queued."""
     reqs, feats = chat
     burst = [dataclasses.replace(r, arrival=0.0) for r in reqs[:40]]
     run = replay(
@@ -80,10 +82,12 @@ def test_a_replay_with_the_gateway_queue_records_each_wait(chat) -> None:  # typ
         LLAMA3_8B_H100,
         routing={"saturation_waiting": 1, "saturation_prefill_tokens": 2048},
         extra={"queue": {"enabled": True, "order": "shortest", "max_wait_ms": 600_000}},
+        replicas=replicas,
     )
     assert len(run.results) == 40 and run.rejected == 0
     assert 0 < len(run.queue_waits) < 40 and all(w >= 0 for w in run.queue_waits)
     assert max(r.ttft for r in run.results) >= max(run.queue_waits)
+    assert {r.replica for r in run.results} == set(range(replicas))
 
 
 def test_trace_blocks_are_exact_and_shared(tmp_path: Path) -> None:

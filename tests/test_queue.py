@@ -141,13 +141,13 @@ def test_fair_order_counts_the_service_a_tenant_had_recently() -> None:
     """a was served 1,000 tokens just now (routed without waiting): b, served nothing, goes first
     even though it came later; a's service then decays by half each window."""
     q, clock = queue(order=DispatchOrder.FAIR, fair_window_s=10.0)
-    q.served(Features("m", None, "none", (), 4000, client_key="a"), 1000)
+    q.served("key:a", 1000)
     waiting(q, "a0", key="a")
     clock.t += 1
     waiting(q, "b0", key="b")
     assert order(q) == ["b0", "a0"]
     clock.t += 40  # four half-lives: 62 tokens left, less than b's request
-    q.served(Features("m", None, "none", (), 4000, client_key="b"), 100)
+    q.served("key:b", 100)
     assert order(q) == ["a0", "b0"]
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -72,15 +70,6 @@ def test_sentinel_and_cluster_urls_are_checked_when_the_config_loads() -> None:
     ):
         with pytest.raises(ConfigError):
             config(bad)
-
-
-@pytest.fixture()
-def stack(tmp_path: Path) -> Iterator[Supervisor]:
-    sup = Supervisor(tmp_path / "run")
-    try:
-        yield sup
-    finally:
-        sup.stop_all()
 
 
 def store(url: str, **redis: object) -> SessionStore:

@@ -170,9 +170,9 @@ class GatewayQueue:
         tagged.sort(key=lambda t: t[:3])
         return [t[3] for t in tagged]
 
-    def served(self, f: Features, tokens: int) -> None:
-        """A request was routed (from the queue or not): its tenant's service grows."""
-        self.tenants.served(tenant_of(f), tokens, self.clock())
+    def served(self, tenant: str, tokens: int) -> None:
+        """A request of ``tenant`` was routed (from the queue or not): its service grows."""
+        self.tenants.served(tenant, tokens, self.clock())
 
     def retry_after(self) -> int:
         """Seconds until the queue should have room: its length over the recent dispatch rate."""

@@ -194,8 +194,9 @@ class DecisionService:
         self.metrics.of(self.metrics.reuse_tokens, "available").inc(routed.reuse[0])
         self.metrics.of(self.metrics.reuse_tokens, "captured").inc(routed.reuse[1])
         if self.queue is not None:  # every routed request is service its tenant had (fair order)
-            self.queue.served(f, f.est_tokens)
-            self.metrics.of(self.metrics.tenant_tokens, label_of(tenant_of(f))).inc(f.est_tokens)
+            tenant = tenant_of(f)
+            self.queue.served(tenant, f.est_tokens)
+            self.metrics.of(self.metrics.tenant_tokens, label_of(tenant)).inc(f.est_tokens)
         self.recent.append((routed, f))
         return routed
 
