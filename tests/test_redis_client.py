@@ -182,3 +182,21 @@ async def _all_in_redis(s: SessionStore, bound: dict[str, str]) -> bool:
     except REDIS_ERRORS:
         return False
     return True
+
+
+def test_a_preload_scan_reads_bytes_that_are_not_utf8_as_text_that_names_no_backend(redis_url: str) -> None:
+    """Anyone who can write to Redis can write any bytes: the scan keeps going, the value becomes
+    text no backend is named (so the binding is rebound), never an exception."""
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        prefix = f"kvgate-{time.monotonic_ns()}"
+        await client.set(f"{prefix}:s:good", "b1")
+        await client.set(f"{prefix}:s:bad", b"\xff\xfe")
+        found = await scan_values(client, f"{prefix}:s:*", 10)
+        assert found is not None and found[f"{prefix}:s:good"] == "b1"
+        assert "\ufffd" in found[f"{prefix}:s:bad"]
+        assert await scan_values(client, f"{prefix}:s:*", 1) is None  # more than asked for
+        await client.aclose()
+
+    run(scenario())

@@ -109,7 +109,7 @@ async def scan_values(
             values = await client.mget(keys)
         for k, v in zip(keys, values, strict=True):
             if v is not None:
-                out[_text(k)] = _text(v)
+                out[reply_text(k)] = reply_text(v)
         keys.clear()
 
     async for key in client.scan_iter(match=pattern, count=step):
@@ -123,5 +123,8 @@ async def scan_values(
     return None if len(out) > most else out
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def reply_text(value: bytes | str) -> str:
+    """A Redis reply as text (the client returns bytes unless told to decode). Anyone who can write
+    to Redis can write any bytes: what is not UTF-8 becomes text that names no backend (U+FFFD), so
+    a binding is treated as gone and rebound, never a crash of the decision."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

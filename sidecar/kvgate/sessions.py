@@ -57,20 +57,13 @@ from kvgate.config import RedisConfig
 from kvgate.local_sessions import LocalSessions
 from kvgate.metrics import SidecarMetrics
 from kvgate.redis_batch import Batch
-from kvgate.redis_client import REDIS_ERRORS, RedisClient, is_cluster, scan_values
+from kvgate.redis_client import REDIS_ERRORS, RedisClient, is_cluster, reply_text, scan_values
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 LOCAL_FRESH_S = 2.0  # how long a binding read from Redis is trusted without asking again
 TTL_REFRESH_EVERY_S = 1.0
 REWAIT_S = 30.0  # after a claim found a binding a lone replica did not know: wait for claims again
-
-
-def _text(value: bytes | str) -> str:
-    """A Redis reply as text (the client returns bytes unless told to decode). Anyone who can write
-    to Redis can write any bytes: what is not UTF-8 becomes text that names no backend (U+FFFD), so
-    the binding is treated as gone and rebound, never a crash of the decision."""
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 class ClaimMode(Enum):
@@ -250,7 +243,7 @@ class SessionStore:
             except REDIS_ERRORS as exc:
                 self._failed(exc, "peek")
             else:
-                return None if found is None else _text(found)
+                return None if found is None else reply_text(found)
         return None if entry is None else entry[0]
 
     async def claim(self, key: str, node: str) -> tuple[str, bool]:
@@ -278,7 +271,7 @@ class SessionStore:
         except REDIS_ERRORS as exc:
             self._failed(exc, "claim")
             return None
-        bound = node if prior is None else _text(prior)
+        bound = node if prior is None else reply_text(prior)
         self.local.set(key, bound, now)
         if prior is not None:
             self._touched.add(key)  # NX left the TTL alone: extend it with the batch

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.inflight import InflightLedger
-from kvgate.redis_client import REDIS_ERRORS, RedisClient
+from kvgate.redis_client import REDIS_ERRORS, RedisClient, reply_text
 
 logger = logging.getLogger(__name__)
 STALE_S = 2.0  # a replica whose field has not changed this long counts no more
@@ -90,7 +90,7 @@ class SharedLoad:
         stale: list[str] = []
         present: set[str] = set()
         for raw_name, raw in fields.items():
-            name = raw_name.decode(errors="replace") if isinstance(raw_name, bytes) else raw_name
+            name = reply_text(raw_name)
             if name == self.me:
                 continue
             present.add(name)
