@@ -37,6 +37,9 @@ class Lever:
     pools: bool = False  # backends split into a short and a long pool
     priority: bool = False  # one request in PRIORITY_EVERY asks for class -1
     disagg: bool = False  # --prefill-backends of the backends prefill, the rest decode
+    # SLO admission (kvgate.slo) with the report's TTFT objective: "shed" (every request sheddable)
+    # or "keep" (none is: requests move or wait for the objective, and are never refused for it).
+    slo: str | None = None
 
 
 def queue(order: str, **more: Any) -> dict[str, Any]:
@@ -104,8 +107,19 @@ LEVERS = {
         # The whole layer as the defaults and the example config have it: learned tokens, the tight
         # shortest-first queue with the default ageing.
         Lever("all", PolicyName.KVGATE, {"queue": RECOMMENDED["queue"]}, TIGHT),
+        Lever("+slo-keep", PolicyName.KVGATE, {"queue": RECOMMENDED["queue"]}, TIGHT, slo="keep"),
+        Lever("+slo-shed", PolicyName.KVGATE, {"queue": RECOMMENDED["queue"]}, TIGHT, slo="shed"),
     )
 }
+
+
+def slo_section(lever: Lever, slo: report.Slo) -> dict[str, Any]:
+    """The lever's objectives: the report's TTFT objective for every request; sheddable from the
+    default class (0) up, or from class 1 (which no request of the benchmark has)."""
+    if lever.slo is None:
+        return {}
+    objective = {"ttft_ms": slo.ttft_s * 1000, "itl_ms": slo.itl_s * 1000}
+    return {"slo": {"objectives": [objective], "sheddable_priority": 0 if lever.slo == "shed" else 1}}
 
 
 def pool_setup(feats: Sequence[Features], backends: int) -> tuple[dict[str, Any], list[dict[str, str]]]:
@@ -162,7 +176,11 @@ def main(argv: Sequence[str]) -> int:
         base = None
         for name in args.levers:
             lv = LEVERS[name]
-            extra = {**lv.extra, **(pools_extra if lv.pools else {})}
+            extra = {
+                **lv.extra,
+                **(pools_extra if lv.pools else {}),
+                **slo_section(lv, report.Slo.from_args(args)),
+            }
             labels = pool_labels if lv.pools else pd_labels if lv.disagg else None
             run = virtual.replay(
                 reqs,

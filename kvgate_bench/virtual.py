@@ -32,6 +32,7 @@ from kvgate.public import (
     Registry,
     Routed,
     SessionAction,
+    SloShed,
     extract,
 )
 
@@ -83,7 +84,7 @@ class Run:
     speedup: float
     results: list[Result] = field(default_factory=list)
     bound_violations: int = 0  # non-session decisions that picked a node above c x its fair share
-    rejected: int = 0  # refused by the gateway queue (full, or waited too long): 429s
+    rejected: int = 0  # refused: the gateway queue full or waited too long, an objective shed: 429s
     queue_waits: list[float] = field(default_factory=list)  # seconds each queued request waited
     wall_s: float = 0.0
 
@@ -277,7 +278,7 @@ def replay(
         for k, did, result in list(gw.dispatch()):
             r, arrived = waiting.pop((k, did))
             run.queue_waits.append(t - arrived)
-            if isinstance(result, QueueTimeout) or not result.decision.candidates:
+            if isinstance(result, QueueTimeout | SloShed) or not result.decision.candidates:
                 run.rejected += 1  # a 429 (or a 503) to the client
                 done += 1
                 continue
@@ -298,7 +299,7 @@ def replay(
             remaining -= 1
             try:
                 answer = gw.decide(k, f)
-            except QueueFull:
+            except (QueueFull, SloShed):
                 run.rejected += 1
                 done += 1
                 continue

@@ -26,6 +26,7 @@ from kvgate.public import (
     Routed,
     Scraped,
     Sidecar,
+    SloShed,
     build_sidecar,
     kv_events,
 )
@@ -135,7 +136,7 @@ class Gateways:
         for core in self.replicas:
             core.exact.apply(backend, seq, batch)
 
-    def dispatch(self) -> Iterable[tuple[int, str, Routed | QueueTimeout]]:
+    def dispatch(self) -> Iterable[tuple[int, str, Routed | QueueTimeout | SloShed]]:
         """What each replica's gateway queue releases now: (replica, decision id, answer)."""
         for k, core in enumerate(self.replicas):
             if core.service.queue is None:

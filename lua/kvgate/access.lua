@@ -162,7 +162,7 @@ local function decide(id, f)
         ngx.header["Retry-After"] = tostring(retry_after or 1)
         return errors.send(429, message, nil, nil, "rate_limit_exceeded")
     end
-    if code == "queue_full" or code == "queue_timeout" then
+    if code == "queue_full" or code == "queue_timeout" or code == "slo_shed" then
         ngx.header["Retry-After"] = tostring(retry_after or 1)
         return errors.send(429, message, "RateLimitError", nil, code)
     end

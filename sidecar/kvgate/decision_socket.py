@@ -35,6 +35,7 @@ from kvgate.protocol import ProtocolError
 from kvgate.queue import QueueFull, QueueTimeout
 from kvgate.registry import Registry
 from kvgate.service import DecisionService, Queued, RateLimited, Routed, UnknownModel
+from kvgate.slo import SloShed
 
 logger = logging.getLogger(__name__)
 MAX_LINE = 4 * 1024 * 1024  # features of a 128k-token prompt are ~20 KB; this is a safety bound
@@ -88,6 +89,8 @@ class DecisionServer:
                 return ErrorReply(
                     ErrorCode.QUEUE_FULL, f"Every backend is busy and {full}; retry later.", exc.retry_after
                 )
+            except SloShed as exc:
+                return self._shed(exc)
             if isinstance(routed, Queued):
                 return routed
             return self._decision(routed)
@@ -141,9 +144,17 @@ class DecisionServer:
                 "Every backend stayed busy for the gateway queue's longest wait; retry later.",
                 exc.retry_after,
             )
+        except SloShed as exc:
+            return self._shed(exc)
         except (ConnectionError, asyncio.CancelledError):
             self.service.abandon(queued.decision_id)
             raise
+
+    @staticmethod
+    def _shed(exc: SloShed) -> ErrorReply:
+        return ErrorReply(
+            ErrorCode.SLO_SHED, f"Every backend is too busy: {exc}; retry later.", exc.retry_after
+        )
 
     def _refused(self, exc: ProtocolError) -> ErrorReply:
         if exc.code is ErrorCode.PROTOCOL_VERSION:

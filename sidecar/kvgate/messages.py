@@ -19,6 +19,7 @@ class ErrorCode(str, Enum):
     RATE_LIMITED = "rate_limited"
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
+    SLO_SHED = "slo_shed"  # the request cannot meet its TTFT objective and may be refused
 
 
 class Candidate(NamedTuple):
@@ -145,7 +146,7 @@ class QueuedReply:
 class ErrorReply:
     code: ErrorCode
     message: str
-    retry_after: int | None = None  # seconds, for rate_limited
+    retry_after: int | None = None  # seconds, for rate_limited, queue_* and slo_shed
 
 
 @dataclass(frozen=True, slots=True)

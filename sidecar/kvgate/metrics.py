@@ -168,6 +168,21 @@ class SidecarMetrics:
             ["reason"],
             registry=r,
         )
+        self.slo_verdicts = Counter(
+            "kvgate_slo_verdicts",
+            "Requests with a TTFT objective, by what their predicted TTFT decided: go (as planned), moved "
+            "(to a backend that meets it), wait (in the gateway queue while it can still make it), shed "
+            "(refused with 429), late (cannot make it, not sheddable: sent anyway).",
+            ["verdict"],
+            registry=r,
+        )
+        self.slo_requests = Counter(
+            "kvgate_slo_requests",
+            "Requests with an objective, by how they ended: met, missed, shed. met / all is the goodput "
+            "share the gateway sees; shed / all its shed rate.",
+            ["outcome"],
+            registry=r,
+        )
         self.pool_spills = Counter(
             "kvgate_pool_spills",
             "Requests decided in another pool than their rule's, because it had no room.",

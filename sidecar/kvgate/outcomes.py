@@ -20,6 +20,7 @@ from kvgate.messages import Outcome, OutcomeKind
 from kvgate.metrics import SidecarMetrics
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
+from kvgate.slo import SloGate
 from kvgate.tokens import TokenEstimator
 
 
@@ -33,6 +34,7 @@ class Outcomes:
         first_byte: FirstByteBudget,
         metrics: SidecarMetrics,
         leave_queue: Callable[[str], None],
+        slo: SloGate,
     ) -> None:
         self.registry = registry
         self.sessions = sessions
@@ -41,6 +43,7 @@ class Outcomes:
         self.first_byte = first_byte
         self.metrics = metrics
         self._leave_queue = leave_queue  # a dropped request still waiting leaves the gateway queue
+        self.slo = slo  # each routed request's objective, met or missed at its end
 
     def apply(self, outcomes: Iterable[Outcome]) -> None:
         now = time.monotonic()
@@ -52,6 +55,7 @@ class Outcomes:
                 self._leave_queue(o.decision_id)
                 self.registry.ledger.drop(o.decision_id, self.registry.ledger.clock())
                 self.admission.forget(o.decision_id)
+                self.slo.settle(o)
                 self.metrics.dropped.inc()
             else:
                 self._ended(o, now)
@@ -80,6 +84,7 @@ class Outcomes:
                 self._learn_tokens(o.decision_id)  # a JSON answer: its first byte came with its end
             self.registry.ledger.finish(o.decision_id)
             self.admission.settle(o)
+            self.slo.settle(o)
         if o.response_id is not None and o.backend and o.status == 200:
             # The backend stores this response: the conversation's next turn must come back.
             self.sessions.remember(session_key("r", o.response_id), o.backend)

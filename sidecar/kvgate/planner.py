@@ -11,17 +11,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvgate.config import Config, PolicyName
+from kvgate.config import Config, Objective, PolicyName
 from kvgate.exact_index import ExactIndex, View
 from kvgate.features import CHUNK_BYTES, Features
 from kvgate.first_byte import FirstByteBudget
 from kvgate.kv_hashes import lazy_chain
 from kvgate.messages import Candidate
 from kvgate.metrics import SidecarMetrics
-from kvgate.policies import Decision, Request, Snapshot, decide, uncached_tokens
+from kvgate.policies import Decision, Reason, Request, SessionAction, Snapshot, decide, uncached_tokens
 from kvgate.prefix_index import Match, PrefixIndex
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
+from kvgate.slo import Judgement, Verdict, judge
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +181,34 @@ class Planner:
             return False
         strict = plan.req.features.key_source == "response"
         return strict or not any(snap.has_room(n) for n in snap.nodes)
+
+    def against(
+        self, plan: Plan, objective: Objective, waited: float, sheddable: bool, can_wait: bool
+    ) -> tuple[Plan, Judgement]:
+        """The plan judged against the request's TTFT objective (``kvgate.slo``), from each backend's
+        expected seconds to the first byte now (the prefill queued there and the prompt's own part)
+        and idle (the prompt's own part). Moved: the plan with the backend that meets it first. A
+        session staying where it is bound, a Responses turn and a disaggregated request stay put."""
+        f, depth, decision = plan.req.features, plan.req.prefix_depth, plan.decision
+        queued = self.registry.ledger.tokens
+        predictions: dict[str, tuple[float, float]] = {}
+        for n in plan.snap.nodes:
+            own = uncached_tokens(f, depth.get(n, 0))
+            now = self.first_byte.predict(n, queued.get(n, 0) + own)
+            idle = self.first_byte.predict(n, own)
+            if now is not None and idle is not None:
+                predictions[n] = (now, idle)
+        movable = (
+            not plan.decode and decision.session is not SessionAction.KEEP and f.key_source != "response"
+        )
+        assert objective.ttft_s is not None
+        j = judge(objective.ttft_s, waited, predictions, decision.candidates[0], sheddable, can_wait, movable)
+        if j.verdict is Verdict.MOVED and j.backend is not None:
+            rest = tuple(c for c in decision.candidates if c != j.backend)
+            candidates = (j.backend, *rest)[: len(decision.candidates)]
+            moved = dataclasses.replace(decision, candidates=candidates, reason=Reason.SLO)
+            plan = dataclasses.replace(plan, decision=moved)
+        return plan, j
 
     def routed(
         self,

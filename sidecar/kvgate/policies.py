@@ -47,6 +47,7 @@ class Reason(str, Enum):
     ROUND_ROBIN = "round_robin"
     RANDOM = "random"
     LEAST_LOAD = "least_load"
+    SLO = "slo"  # the planned backend would break the request's TTFT objective (kvgate.slo)
     NO_BACKEND = "no_backend"
 
 

@@ -21,6 +21,7 @@ from kvgate.queue import QueueFull, QueueTimeout
 from kvgate.registry import Registry
 from kvgate.service import Queued, Routed
 from kvgate.sidecar import Sidecar, build_sidecar
+from kvgate.slo import SloShed
 
 __all__ = [
     "DEBIAN_MODULES",
@@ -42,6 +43,7 @@ __all__ = [
     "Scraped",
     "SessionAction",
     "Sidecar",
+    "SloShed",
     "build_sidecar",
     "configure_lua",
     "extract",

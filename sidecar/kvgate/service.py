@@ -9,6 +9,9 @@ requests as backends free up; ``report`` hands Nginx's outcome reports to ``kvga
 One ``decide`` costs: one Redis round trip at most for keyed requests under the ``kvgate`` policy
 (GETEX, plus SET NX on a first binding), a walk of the prefix index over the request's chunk hashes,
 and the pure policy. Everything else (scraping, membership, ring builds) happens in the control loops.
+
+Over 300 lines: ``decide`` and ``dispatch`` are two entries to one commit path (the objective's
+judgement, the queue, the commit), and each step they share is a few lines over the others' state.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from kvgate.prefix_index import PrefixIndex
 from kvgate.queue import GatewayQueue, QueueFull, QueueTimeout, Waiting
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
+from kvgate.slo import SloGate, SloShed, Verdict
 from kvgate.tenants import DepthCollector, label_of, tenant_of
 from kvgate.tokenize import TokenSource
 from kvgate.tokens import TokenEstimator
@@ -89,10 +93,11 @@ class DecisionService:
         if self.queue is not None:
             metrics.registry.register(DepthCollector(self.queue.waiting_features))
         self.admission = Admission(config, metrics, limiter)
+        self.slo = SloGate(config.slo, metrics)
         self.planner = Planner(config, registry, sessions, index, metrics, self.first_byte, exact)
         self.affinity = Affinity(config, sessions, metrics)
         self.outcomes = Outcomes(
-            registry, sessions, self.admission, self.tokens, self.first_byte, metrics, self.abandon
+            registry, sessions, self.admission, self.tokens, self.first_byte, metrics, self.abandon, self.slo
         )
         self._wake: asyncio.Event | None = None  # live: sets off the dispatcher (dispatch_loop)
         self._seq = itertools.count(1)
@@ -130,7 +135,8 @@ class DecisionService:
             return Routed(did, policy, plan.decision, (), plan.pool, priority)
         if dry_run:
             return self.planner.routed(did, policy, plan, priority)
-        if self.queue is not None and self.planner.must_wait(plan):
+        plan, held = self._judge(did, f, plan, priority, 0.0)
+        if self.queue is not None and (held or self.planner.must_wait(plan)):
             live = asyncio.get_running_loop().create_future() if self._wake is not None else None
             waiting = Waiting(did, f, policy, priority, self.queue.clock(), f.est_tokens, future=live)
             try:
@@ -142,6 +148,20 @@ class DecisionService:
             self.metrics.queue_depth.set(len(self.queue))
             return Queued(did, waiting)
         return await self._commit(did, policy, f, plan, priority, t0)
+
+    def _judge(self, did: str, f: Features, plan: Plan, priority: int, waited: float) -> tuple[Plan, bool]:
+        """The plan as the request's TTFT objective lets it go (``kvgate.slo``), and whether it waits
+        in the gateway queue for it; raises SloShed (its admission given back) when it is refused."""
+        objective = self.slo.objective(f)
+        if objective is None:
+            return plan, False
+        sheddable = self.slo.sheddable(priority)
+        plan, j = self.planner.against(plan, objective, waited, sheddable, self.queue is not None)
+        self.slo.judged(j)
+        if j.verdict is Verdict.SHED:
+            self.admission.unadmit(did)
+            raise SloShed(j.retry_after, j.expected, objective.ttft_s or 0.0)
+        return plan, j.verdict is Verdict.WAIT
 
     async def route(self, f: Features, decision_id: str | None = None) -> Routed:
         """``decide`` for callers that have no queue to wait in (tools, tests, the gateway queue off):
@@ -193,6 +213,8 @@ class DecisionService:
         routed = self.planner.routed(did, policy, plan, priority, (primary, uncached(primary)), predicted)
         self.metrics.of(self.metrics.reuse_tokens, "available").inc(routed.reuse[0])
         self.metrics.of(self.metrics.reuse_tokens, "captured").inc(routed.reuse[1])
+        if (objective := self.slo.objective(f)) is not None:
+            self.slo.promise(did, objective)
         if self.queue is not None:  # every routed request is service its tenant had (fair order)
             tenant = tenant_of(f)
             self.queue.served(tenant, f.est_tokens)
@@ -201,11 +223,12 @@ class DecisionService:
         return routed
 
     # -- the gateway queue ---------------------------------------------------------------------------
-    async def dispatch(self) -> list[tuple[Waiting, Routed | QueueTimeout]]:
-        """Send the waiting requests whose backend has room now, in the queue's order, and refuse
-        those that waited too long. Each leaves with its Routed or its QueueTimeout (set on its future
-        too, live)."""
-        out: list[tuple[Waiting, Routed | QueueTimeout]] = []
+    async def dispatch(self) -> list[tuple[Waiting, Routed | QueueTimeout | SloShed]]:
+        """Send the waiting requests whose backend has room now (and, with an objective, where it is
+        expected in time), in the queue's order, and refuse those that waited too long or can no
+        longer make their objective. Each leaves with its Routed, QueueTimeout or SloShed (set on its
+        future too, live)."""
+        out: list[tuple[Waiting, Routed | QueueTimeout | SloShed]] = []
         queue = self.queue
         if queue is None or not len(queue):
             return out
@@ -224,6 +247,16 @@ class DecisionService:
             plan = await self.planner.plan(f, w.policy, next(self._seq), False)
             if w.decision_id not in queue:
                 continue  # dropped (the client went away) while the plan awaited
+            held = False
+            if plan.decision.candidates:
+                try:
+                    plan, held = self._judge(w.decision_id, f, plan, w.priority, queue.clock() - w.arrived)
+                except SloShed as shed:
+                    queue.remove(w.decision_id)
+                    out.append((w, shed))
+                    continue
+            if held:
+                continue
             if plan.decision.candidates and self.planner.must_wait(plan):
                 if not strict:
                     blocked.add(f.model)
@@ -240,7 +273,7 @@ class DecisionService:
         self.metrics.queue_depth.set(len(queue))
         for w, result in out:
             if w.future is not None and not w.future.done():
-                if isinstance(result, QueueTimeout):
+                if isinstance(result, QueueTimeout | SloShed):
                     w.future.set_exception(result)
                 else:
                     w.future.set_result(result)
@@ -289,6 +322,7 @@ class DecisionService:
             "queue_waiting": len(self.queue) if self.queue is not None else 0,
             "queue_keys_waiting": self.queue.keys_waiting() if self.queue is not None else 0,
             "recent_decisions": len(self.recent),
+            "objectives_awaiting_end": len(self.slo),
             "models_learned": len(self.tokens.learned),
         }
 

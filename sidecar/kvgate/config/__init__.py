@@ -30,6 +30,7 @@ from kvgate.config.infra import DEFAULT_REDIS_URL, DEFAULT_SOCKET, ListenConfig,
 from kvgate.config.kv_index import KvIndexConfig, TokenizerSource
 from kvgate.config.parse import ConfigError
 from kvgate.config.routing import LoadLimits, OutlierConfig, PolicyName, RoutingConfig
+from kvgate.config.slo import Objective, SloConfig
 
 __all__ = [
     "DEFAULT_REDIS_URL",
@@ -48,6 +49,7 @@ __all__ = [
     "ListenConfig",
     "LoadLimits",
     "MembershipConfig",
+    "Objective",
     "OutlierConfig",
     "PolicyName",
     "PoolRule",
@@ -57,6 +59,7 @@ __all__ = [
     "RedisConfig",
     "RoutingConfig",
     "ScrapeConfig",
+    "SloConfig",
     "TokenizerSource",
     "TokensConfig",
     "hash_key",
@@ -96,6 +99,7 @@ class Config:
     auth: AuthConfig = part(AuthConfig, "API keys")
     limits: LimitsConfig = part(LimitsConfig, "rate limits")
     queue: QueueConfig = part(QueueConfig, "the gateway queue")
+    slo: SloConfig = part(SloConfig, "service-level objectives: admission by predicted TTFT")
     pools: PoolsConfig = part(PoolsConfig, "length-bucketed pools")
     disaggregation: DisaggConfig = part(DisaggConfig, "prefill/decode disaggregation")
     tokens: TokensConfig = part(TokensConfig, "prompt bytes to tokens")
@@ -120,6 +124,11 @@ class Config:
                 "backends: none listed; a gateway needs at least one {url: http://HOST:PORT} "
                 "(or a discovery: entry)"
             )
+        names = {k.name for k in self.auth.keys}
+        for i, o in enumerate(self.slo.objectives):
+            if o.key is not None and o.key not in names:
+                # A misspelt name would leave the objective covering nobody, without a word.
+                raise ConfigError(f"slo.objectives[{i}].key: {o.key!r} names no API key of auth.keys")
 
     @property
     def limited(self) -> bool:
