@@ -35,6 +35,7 @@ class Lever:
     extra: dict[str, Any] = field(default_factory=dict)
     routing: dict[str, Any] = field(default_factory=dict)
     pools: bool = False  # backends split into a short and a long pool
+    backlog_ratio: float | None = None  # pools: spill at this backlog ratio too (pools.backlog_ratio)
     priority: bool = False  # one request in PRIORITY_EVERY asks for class -1
     disagg: bool = False  # --prefill-backends of the backends prefill, the rest decode
     # SLO admission (kvgate.slo) with the report's TTFT objective: "shed" (every request sheddable)
@@ -101,6 +102,10 @@ LEVERS = {
             for tokens in (1024, 2048, 4096, 16384)
         ),
         Lever("+pools", PolicyName.KVGATE, NO_LEARN, pools=True),
+        *(
+            Lever(f"+pools-backlog-{r:g}", PolicyName.KVGATE, NO_LEARN, pools=True, backlog_ratio=r)
+            for r in (1.5, 2, 4)
+        ),
         Lever("+priority", PolicyName.KVGATE, PRIORITY, priority=True),
         Lever("+priority-tight", PolicyName.KVGATE, PRIORITY, TIGHT, priority=True),
         Lever("+pd", PolicyName.KVGATE, {**NO_LEARN, "disaggregation": {"models": ["*"]}}, disagg=True),
@@ -171,6 +176,7 @@ def main(argv: Sequence[str]) -> int:
     pd_labels = [{"role": "prefill" if i < prefillers else "decode"} for i in range(args.backends)]
     zero_by_rid = {r.rid: z for r, z in zip(reqs, zero_q, strict=True)}
     rows: list[Summary] = []
+    slo = report.Slo.from_args(args)
     notes: list[str] = []
     for speedup in args.speedups:
         base = None
@@ -178,8 +184,10 @@ def main(argv: Sequence[str]) -> int:
             lv = LEVERS[name]
             extra = {
                 **lv.extra,
-                **(pools_extra if lv.pools else {}),
-                **slo_section(lv, report.Slo.from_args(args)),
+                **(
+                    {"pools": {**pools_extra["pools"], "backlog_ratio": lv.backlog_ratio}} if lv.pools else {}
+                ),
+                **slo_section(lv, slo),
             }
             labels = pool_labels if lv.pools else pd_labels if lv.disagg else None
             run = virtual.replay(
@@ -195,12 +203,7 @@ def main(argv: Sequence[str]) -> int:
                 labels=labels,
             )
             row = virtual.summarize_run(
-                f"{name} x{speedup:g}",
-                run,
-                ideal,
-                sum(zero_q) / len(zero_q),
-                speedup,
-                report.Slo.from_args(args),
+                f"{name} x{speedup:g}", run, ideal, sum(zero_q) / len(zero_q), speedup, slo
             )
             row = dataclasses.replace(row, errors=run.rejected)
             rows.append(row)
@@ -216,6 +219,10 @@ def main(argv: Sequence[str]) -> int:
                     f" | queue: {len(waits) / len(reqs):.0%} waited, "
                     f"mean wait {sum(waits) / len(reqs):.3f}s, p90 of those who waited {p90(waits):.3f}s"
                 )
+            if lv.slo == "shed":  # the shed that no idle backend could have served in time
+                served = {r.rid for r in run.results}
+                hopeless = sum(1 for r in reqs if r.rid not in served and zero_by_rid[r.rid] > slo.ttft_s)
+                line += f" | shed {len(reqs) - len(served)}, {hopeless} of them past the objective even alone"
             if lv.priority:
                 hi = sorted(r.ttft for r in run.results if r.rid in urgent)
                 lo = sorted(r.ttft for r in run.results if r.rid not in urgent)

@@ -18,7 +18,7 @@ from kvgate.public import Config, NginxSettings
 from kvgate.tools.launcher import Supervisor, launch_replica
 from kvgate.tools.readiness import free_port, get_json, wait_listening, wait_ready
 
-from kvgate_bench import levers, virtual
+from kvgate_bench import levers, report, virtual
 from kvgate_bench.cpu import wait_quiet
 
 SERVER_NICE = 5  # real fleet: the servers' CPU priority below the router's and the client's
@@ -35,7 +35,23 @@ KVGATE_POLICIES = ["round_robin", "least_load", "consistent_hash", "prefix", "kv
 
 # ``kvgate:POLICY+VARIANT`` runs the gateway with more of its configuration on (sections merged into
 # its config). ``queue``: the whole compute-scheduling layer as the example config recommends it.
-KVGATE_VARIANTS: dict[str, dict[str, dict[str, Any]]] = {"queue": levers.RECOMMENDED}
+# ``slo``: that and admission by TTFT objective (the report's default SLO, every request sheddable),
+# the objective scaled to the simulators' time like the scrape interval.
+KVGATE_VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
+    "queue": levers.RECOMMENDED,
+    "slo": {**levers.RECOMMENDED, **levers.slo_section(levers.LEVERS["+slo-shed"], report.DEFAULT_SLO)},
+}
+
+
+def scaled(extra: dict[str, dict[str, Any]], time_scale: float) -> dict[str, dict[str, Any]]:
+    """``extra`` with its objectives in wall-clock time (the simulators run ``time_scale`` x)."""
+    if "slo" not in extra:
+        return extra
+    objectives = [
+        {k: v / time_scale if k.endswith("_ms") else v for k, v in o.items()}
+        for o in extra["slo"]["objectives"]
+    ]
+    return {**extra, "slo": {**extra["slo"], "objectives": objectives}}
 
 
 PEER_TARGETS = [
@@ -79,7 +95,7 @@ def start_target(
     kind, _, policy = target.partition(":")
     if kind == "kvgate":
         policy, _, variant = policy.partition("+")
-        extra = KVGATE_VARIANTS[variant] if variant else {}
+        extra = scaled(KVGATE_VARIANTS[variant], time_scale) if variant else {}
         redis_port = free_port()
         sup.start_redis(redis_port)
         interval = max(50, int(virtual.SCRAPE_INTERVAL_S * 1000 / time_scale))  # as the replay's

@@ -182,3 +182,27 @@ def test_a_frontend_cost_per_token_lets_a_bursts_short_prompt_reach_the_engine_f
     assert in_order[1] > in_order[0]  # the short prompt waits behind the long one's prefill
     sorted_ = ttfts(1e-6)
     assert sorted_[1] < sorted_[0] and sorted_[1] < in_order[1] / 2
+
+
+def test_past_saturation_objectives_shed_what_would_be_late_and_the_rest_meets_them(chat) -> None:  # type: ignore[no-untyped-def]
+    """A burst far past two backends' capacity: with an objective of 150 ms and every request
+    sheddable, the gateway refuses the ones the backlog would make late; the ones it serves meet the
+    objective far more often than without it, and more of them do (here 46 of 55 against 31 of
+    200); every request is answered one way or the other."""
+    reqs, feats = chat
+    burst = [dataclasses.replace(r, arrival=i * 0.002) for i, r in enumerate(reqs[:200])]
+    common: dict = {"routing": {"saturation_waiting": 1, "saturation_prefill_tokens": 2048}}
+    queue = {"enabled": True, "order": "shortest", "max_wait_ms": 600_000}
+    slo = {"objectives": [{"ttft_ms": 150}], "sheddable_priority": 0}
+
+    def met(run) -> int:  # type: ignore[no-untyped-def]
+        return sum(1 for r in run.results if r.ttft <= 0.15)
+
+    plain = replay(burst, feats, PolicyName.KVGATE, 2, LLAMA3_8B_H100, **common, extra={"queue": queue})
+    shed = replay(
+        burst, feats, PolicyName.KVGATE, 2, LLAMA3_8B_H100, **common, extra={"queue": queue, "slo": slo}
+    )
+    assert plain.rejected == 0 and len(shed.results) + shed.rejected == 200
+    assert shed.rejected > 0
+    assert met(shed) / len(shed.results) >= 2 * met(plain) / len(plain.results), (met(shed), met(plain))
+    assert met(shed) > met(plain)  # goodput: more requests in time, not only a higher share

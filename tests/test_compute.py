@@ -73,6 +73,35 @@ def test_pools_pick_by_estimated_length_and_a_full_pool_spills_in_order() -> Non
     assert explained.pool == "short"
 
 
+@pytest.mark.parametrize(
+    ("ratio", "expected"),
+    [
+        (None, ["long", "long", "long", "long"]),
+        (2.0, ["long", "long", "short", "short"]),
+        (1.0, ["long", "short", "short", "long"]),
+    ],
+)
+def test_a_pool_with_room_spills_once_its_backlog_is_ratio_times_the_other_s(
+    ratio: float | None, expected: list[str]
+) -> None:
+    """Long prompts of 10,000 tokens each, and room for all of them: without a ratio the long pool
+    takes every one; with one, a prompt spills while the long pool's backlog is at least ratio x
+    (the least backlog in the short pool + its own tokens). At 2: behind two prompts (20,000 >=
+    2 x 10,000); at 1: behind one, until the short pool holds one on each backend."""
+    sc = service(
+        ["short", "short", "long"],
+        pools={**POOLS, "backlog_ratio": ratio},
+        routing={"saturation_prefill_tokens": 10**7},
+    )
+    pools = []
+    for i in range(4):
+        r = routed(sc, feats(40_000, f"p{i}"), f"d{i}")
+        assert isinstance(r, Routed)
+        pools.append(r.pool)
+    assert pools == expected
+    assert sc.metrics.pool_spills.labels("long", "short")._value.get() == expected.count("short")
+
+
 def test_a_queued_request_is_bound_when_a_backend_frees_up_and_counts_end_at_zero() -> None:
     async def scenario() -> None:
         sc = service(queue={"enabled": True})

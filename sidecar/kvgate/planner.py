@@ -104,7 +104,7 @@ class Planner:
         if pools.enabled:
             rule = pools.pick(f.model, f.est_tokens)
             if rule is not None:
-                pool, snap = self._pool_snapshot(f.model, rule.pool)
+                pool, snap = self._pool_snapshot(f.model, rule.pool, f.est_tokens)
         return await self._plan_in(f, policy, seq, dry_run, snap, pool)
 
     async def _plan_in(
@@ -159,15 +159,22 @@ class Planner:
             shared = min(depth.get(n, 0) for n in snap.nodes)
         return depth, shared
 
-    def _pool_snapshot(self, model: str | None, pool: str) -> tuple[str, Snapshot]:
-        """The pool's backends, or the first pool in its spill order that has room (the pool itself
-        when none has: the request then waits there, or queues at the gateway)."""
+    def _pool_snapshot(self, model: str | None, pool: str, tokens: int) -> tuple[str, Snapshot]:
+        """The pool's backends, or the first pool in its spill order that has room, when the pool has
+        none, or when its backlog is ``backlog_ratio`` times that pool's plus ``tokens`` (the
+        request's own). The pool itself when no other will do: the request then waits there, or
+        queues at the gateway."""
         first = snap = self.registry.snapshot(model, pool=pool)
-        if any(snap.has_room(n) for n in snap.nodes):
+        room = any(snap.has_room(n) for n in snap.nodes)
+        ratio = self.config.pools.backlog_ratio
+        if room and ratio is None:
             return pool, snap
+        mine = _backlog(snap)
         for other in self.config.pools.spill.get(pool, ()):
             snap = self.registry.snapshot(model, pool=other)
-            if any(snap.has_room(n) for n in snap.nodes):
+            if not any(snap.has_room(n) for n in snap.nodes):
+                continue
+            if not room or (ratio is not None and mine >= ratio * (_backlog(snap) + tokens)):
                 self.metrics.pool_spills.labels(pool, other).inc()
                 return other, snap
         return pool, first
@@ -253,3 +260,9 @@ class Planner:
             )
             out.append(self.first_byte.budget_ms(b, work, trusted))
         return tuple(out)
+
+
+def _backlog(snap: Snapshot) -> float:
+    """The least prefill backlog among the snapshot's backends: the tokens a request sent to the
+    least busy of them would wait behind (none: no backend to wait at)."""
+    return min((snap.inflight_tokens.get(n, 0) for n in snap.nodes), default=float("inf"))

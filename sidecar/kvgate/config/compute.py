@@ -125,6 +125,15 @@ class PoolsConfig:
         (), _rules, "a list of {pool, model, max_prompt_tokens}; the first that matches picks the pool"
     )
     spill: Mapping[str, tuple[str, ...]] = custom({}, _spill, "pool: [pools to try next]")
+    backlog_ratio: float | None = number(
+        None,
+        1.0,
+        1000.0,
+        "also spill while the pool has room, when the least prefill backlog among its backends (tokens "
+        "routed, first token not yet back) is this many times the spill pool's plus the request's own, "
+        "so that a busy pool's requests do not queue far past what the rest of the fleet would make "
+        "them wait; none: spill only when the pool is full",
+    )
 
     @property
     def enabled(self) -> bool:
