@@ -104,7 +104,7 @@ LEVERS = {
         Lever("+pools", PolicyName.KVGATE, NO_LEARN, pools=True),
         *(
             Lever(f"+pools-backlog-{r:g}", PolicyName.KVGATE, NO_LEARN, pools=True, backlog_ratio=r)
-            for r in (1.5, 2, 4)
+            for r in (1.25, 1.5, 2)
         ),
         Lever("+priority", PolicyName.KVGATE, PRIORITY, priority=True),
         Lever("+priority-tight", PolicyName.KVGATE, PRIORITY, TIGHT, priority=True),

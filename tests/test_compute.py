@@ -14,7 +14,7 @@ from kvgate.queue import QueueTimeout
 from kvgate.service import Queued, Routed
 from kvgate.sidecar import Sidecar
 
-from tests.cores import MODEL, core
+from tests.cores import MODEL, core, idle
 
 
 # -- the decision service with pools and the queue ---------------------------------------------------
@@ -85,8 +85,8 @@ def test_a_pool_with_room_spills_once_its_backlog_is_ratio_times_the_other_s(
     ratio: float | None, expected: list[str]
 ) -> None:
     """Long prompts of 10,000 tokens each, and room for all of them: without a ratio the long pool
-    takes every one; with one, a prompt spills while the long pool's backlog is at least ratio x
-    (the least backlog in the short pool + its own tokens). At 2: behind two prompts (20,000 >=
+    takes every one; with one, a prompt spills while what it would wait for there (the backlog and
+    itself) is more than ratio x what it would in the short pool. At 2: behind two prompts (30,000 >
     2 x 10,000); at 1: behind one, until the short pool holds one on each backend."""
     sc = service(
         ["short", "short", "long"],
@@ -100,6 +100,22 @@ def test_a_pool_with_room_spills_once_its_backlog_is_ratio_times_the_other_s(
         pools.append(r.pool)
     assert pools == expected
     assert sc.metrics.pool_spills.labels("long", "short")._value.get() == expected.count("short")
+
+
+def test_when_no_pool_has_room_a_request_still_goes_where_it_waits_for_less() -> None:
+    """Every backend saturated (50 requests waiting at each): without a ratio the long pool keeps
+    every long prompt, however deep its backlog; with one, a prompt goes where the prefill it would
+    wait for is smaller by that ratio, room or not (pools that never starve)."""
+    for ratio, expected in ((None, ["long"] * 4), (1.0, ["long", "short"])):
+        sc = service(["short", "short", "long"], pools={**POOLS, "backlog_ratio": ratio})
+        for b in ("b0", "b1", "b2"):
+            idle(sc, b, waiting=50)
+        pools = []
+        for i in range(4):
+            r = routed(sc, feats(40_000, f"p{i}"), f"d{i}")
+            assert isinstance(r, Routed)
+            pools.append(r.pool)
+        assert pools[: len(expected)] == expected, ratio  # then: whichever short backend is freer
 
 
 def test_a_queued_request_is_bound_when_a_backend_frees_up_and_counts_end_at_zero() -> None:

@@ -173,3 +173,41 @@ def test_a_request_that_cannot_be_shed_or_held_goes_late_and_one_that_can_move_m
         assert service.sizes()["objectives_awaiting_end"] == 0
 
     run(scenario())
+
+
+def test_a_sheddable_request_waiting_behind_a_held_one_is_refused_once_its_objective_has_passed() -> None:
+    """A held request blocks the ones after it in the queue's order (as a full backend does), so
+    they are not planned each round; one of them that may be shed is still refused as soon as it has
+    waited its whole objective."""
+
+    async def scenario() -> None:
+        own = features(0).est_tokens
+        sc = core(
+            n=1,
+            routing={"saturation_prefill_tokens": 10**7, "policy": "least_load"},
+            queue={"enabled": True, "client_priority": True},
+            slo={"objectives": [{"ttft_ms": round(own * 2.5)}], "sheddable_priority": 1},
+        )
+        service = sc.service
+        assert service.queue is not None
+        now = [0.0]
+        service.queue.clock = lambda: now[0]
+        (backend,) = sc.registry.backends
+        for work in (0, 1000, 2000, 3000, 4000, 5000):
+            service.first_byte.learn(backend, work, work / 1000)
+        ahead = [await service.decide(features(i), f"d{i}") for i in range(2)]  # 2 prompts of backlog
+        late = await service.decide(dataclasses.replace(features(3), priority=1), "late")
+        assert isinstance(late, Queued)
+        now[0] += own * 2.5 / 1000  # its whole objective
+        fresh = await service.decide(features(4), "fresh")  # class 0 goes first, and is held
+        assert isinstance(fresh, Queued)
+        ((waiting, refused),) = await service.dispatch()
+        assert waiting.decision_id == "late" and isinstance(refused, SloShed)
+        assert "fresh" in service.queue and "late" not in service.queue
+        service.abandon("fresh")
+        for r in ahead:
+            assert isinstance(r, Routed)
+            service.report([Outcome.end(r.decision_id, backend, 200, True, 0.05, 0.1)])
+        assert service.sizes()["queue_waiting"] == 0 and service.sizes()["objectives_awaiting_end"] == 0
+
+    run(scenario())

@@ -160,24 +160,30 @@ class Planner:
         return depth, shared
 
     def _pool_snapshot(self, model: str | None, pool: str, tokens: int) -> tuple[str, Snapshot]:
-        """The pool's backends, or the first pool in its spill order that has room, when the pool has
-        none, or when its backlog is ``backlog_ratio`` times that pool's plus ``tokens`` (the
-        request's own). The pool itself when no other will do: the request then waits there, or
-        queues at the gateway."""
-        first = snap = self.registry.snapshot(model, pool=pool)
-        room = any(snap.has_room(n) for n in snap.nodes)
+        """The pool's backends, or another's in its spill order: the first that has room when the
+        pool has none; with ``backlog_ratio``, also the first where the request would wait for less
+        prefill (the least backlog plus its own ``tokens``) by that ratio, with room when the pool
+        has room, and even without when no pool has room (it waits less there). The pool itself
+        when no other will do: the request then waits there, or queues at the gateway."""
+        first = self.registry.snapshot(model, pool=pool)
+        room = any(first.has_room(n) for n in first.nodes)
         ratio = self.config.pools.backlog_ratio
         if room and ratio is None:
-            return pool, snap
-        mine = _backlog(snap)
-        for other in self.config.pools.spill.get(pool, ()):
-            snap = self.registry.snapshot(model, pool=other)
-            if not any(snap.has_room(n) for n in snap.nodes):
-                continue
-            if not room or (ratio is not None and mine >= ratio * (_backlog(snap) + tokens)):
-                self.metrics.pool_spills.labels(pool, other).inc()
-                return other, snap
+            return pool, first
+        mine = _backlog(first) + tokens
+        others = [(p, self.registry.snapshot(model, pool=p)) for p in self.config.pools.spill.get(pool, ())]
+        roomy = [(p, snap) for p, snap in others if any(snap.has_room(n) for n in snap.nodes)]
+        if not room and roomy:
+            return self._spilled(pool, *roomy[0])
+        if ratio is not None:
+            for other, snap in roomy if room else others:
+                if mine > ratio * (_backlog(snap) + tokens):
+                    return self._spilled(pool, other, snap)
         return pool, first
+
+    def _spilled(self, pool: str, other: str, snap: Snapshot) -> tuple[str, Snapshot]:
+        self.metrics.pool_spills.labels(pool, other).inc()
+        return other, snap
 
     @staticmethod
     def must_wait(plan: Plan) -> bool:

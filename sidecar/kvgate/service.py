@@ -42,7 +42,7 @@ from kvgate.prefix_index import PrefixIndex
 from kvgate.queue import GatewayQueue, QueueFull, QueueTimeout, Waiting
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
-from kvgate.slo import SloGate, SloShed, Verdict
+from kvgate.slo import Judgement, SloGate, SloShed, Verdict
 from kvgate.tenants import DepthCollector, label_of, tenant_of
 from kvgate.tokenize import TokenSource
 from kvgate.tokens import TokenEstimator
@@ -242,6 +242,8 @@ class DecisionService:
             f = w.features
             strict = f.key_source == "response"
             if f.model in blocked and not strict:
+                if (overdue := self._overdue(w)) is not None:
+                    out.append((w, overdue))
                 continue
             t0 = time.perf_counter()
             plan = await self.planner.plan(f, w.policy, next(self._seq), False)
@@ -255,7 +257,9 @@ class DecisionService:
                     queue.remove(w.decision_id)
                     out.append((w, shed))
                     continue
-            if held:
+            if held:  # nothing makes its objective now: the ones after it wait too, as for room
+                if not strict:
+                    blocked.add(f.model)
                 continue
             if plan.decision.candidates and self.planner.must_wait(plan):
                 if not strict:
@@ -278,6 +282,21 @@ class DecisionService:
                 else:
                     w.future.set_result(result)
         return out
+
+    def _overdue(self, w: Waiting) -> SloShed | None:
+        """A waiting request not planned this round (others of its model wait for room): refused, out
+        of the queue, once it has waited its whole TTFT objective when it may be shed (no backend
+        can make it any more, whatever a plan would say)."""
+        queue, objective = self.queue, self.slo.objective(w.features)
+        if queue is None or objective is None or not self.slo.sheddable(w.priority):
+            return None
+        waited = queue.clock() - w.arrived
+        if objective.ttft_s is None or waited < objective.ttft_s:
+            return None
+        queue.remove(w.decision_id)
+        self.admission.unadmit(w.decision_id)
+        self.slo.judged(Judgement(Verdict.SHED))
+        return SloShed(queue.retry_after(), waited, objective.ttft_s)
 
     def kick(self) -> None:
         """Something freed up (a first byte, an end, a scrape): the dispatcher looks at the queue."""

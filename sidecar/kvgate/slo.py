@@ -49,8 +49,7 @@ class SloShed(Exception):
 
     def __init__(self, retry_after: int, predicted: float, objective: float) -> None:
         super().__init__(
-            f"the first token is expected in {predicted:.1f}s, past this request's objective of "
-            f"{objective:.1f}s"
+            f"its first token is expected after {predicted:.1f}s, past its objective of {objective:.1f}s"
         )
         self.retry_after = retry_after
 

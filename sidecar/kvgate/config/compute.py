@@ -129,10 +129,10 @@ class PoolsConfig:
         None,
         1.0,
         1000.0,
-        "also spill while the pool has room, when the least prefill backlog among its backends (tokens "
-        "routed, first token not yet back) is this many times the spill pool's plus the request's own, "
-        "so that a busy pool's requests do not queue far past what the rest of the fleet would make "
-        "them wait; none: spill only when the pool is full",
+        "also spill while the pool has room, when the prefill a request would wait for there (the least "
+        "backlog among its backends, tokens routed whose first token is not back, plus its own) is this "
+        "many times what it would wait for in the spill pool, so that a busy pool's requests do not "
+        "queue far past what the rest of the fleet would make them wait; none: spill only when full",
     )
 
     @property
