@@ -136,7 +136,9 @@ def run_target(
                     str(i),
                 )
             workers = [f"http://127.0.0.1:{port + i}" for i in range(args.backends)]
-        urls = start_target(sup, target, workers, args.time_scale, peer_cpus, replicas)
+        urls = start_target(
+            sup, target, workers, args.time_scale, peer_cpus, replicas, report.Slo.from_args(args)
+        )
         with RunCpu(proc.pid for proc in sup.procs.values()) as used:
             lr = asyncio.run(
                 run_live(urls, reqs, speedup * args.time_scale, workers, Progress(f"{label} x{speedup:g}"))

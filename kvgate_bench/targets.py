@@ -35,23 +35,21 @@ KVGATE_POLICIES = ["round_robin", "least_load", "consistent_hash", "prefix", "kv
 
 # ``kvgate:POLICY+VARIANT`` runs the gateway with more of its configuration on (sections merged into
 # its config). ``queue``: the whole compute-scheduling layer as the example config recommends it.
-# ``slo``: that and admission by TTFT objective (the report's default SLO, every request sheddable),
-# the objective scaled to the simulators' time like the scrape interval.
+# ``slo``: that and admission by TTFT objective (the run's SLO, every request sheddable).
 KVGATE_VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "queue": levers.RECOMMENDED,
-    "slo": {**levers.RECOMMENDED, **levers.slo_section(levers.LEVERS["+slo-shed"], report.DEFAULT_SLO)},
+    "slo": levers.RECOMMENDED,
 }
 
 
-def scaled(extra: dict[str, dict[str, Any]], time_scale: float) -> dict[str, dict[str, Any]]:
-    """``extra`` with its objectives in wall-clock time (the simulators run ``time_scale`` x)."""
-    if "slo" not in extra:
+def variant(name: str, slo: report.Slo, time_scale: float) -> dict[str, dict[str, Any]]:
+    """A variant's config sections; ``slo``'s objective in wall-clock time (the simulators run
+    ``time_scale`` x faster), as the scrape interval is."""
+    extra = KVGATE_VARIANTS[name]
+    if name != "slo":
         return extra
-    objectives = [
-        {k: v / time_scale if k.endswith("_ms") else v for k, v in o.items()}
-        for o in extra["slo"]["objectives"]
-    ]
-    return {**extra, "slo": {**extra["slo"], "objectives": objectives}}
+    wall = report.Slo(slo.ttft_s / time_scale, slo.itl_s / time_scale)
+    return {**extra, **levers.slo_section(levers.LEVERS["+slo-shed"], wall)}
 
 
 PEER_TARGETS = [
@@ -87,15 +85,16 @@ def start_target(
     time_scale: float,
     peer_cpus: str | None = None,
     replicas: int = 1,
+    slo: report.Slo = report.DEFAULT_SLO,
 ) -> list[str]:
     """Start ``target`` in front of ``workers``; returns its base URLs once it routes (kvgate: one
     per gateway replica, ``replicas`` of them on one Redis; a peer router: one). ``peer_cpus`` (a
     ``taskset`` CPU list) pins a peer router, for a peer that would otherwise starve the simulators
-    of CPU."""
+    of CPU. ``slo``: the objective of the ``+slo`` variant."""
     kind, _, policy = target.partition(":")
     if kind == "kvgate":
-        policy, _, variant = policy.partition("+")
-        extra = scaled(KVGATE_VARIANTS[variant], time_scale) if variant else {}
+        policy, _, flavour = policy.partition("+")
+        extra = variant(flavour, slo, time_scale) if flavour else {}
         redis_port = free_port()
         sup.start_redis(redis_port)
         interval = max(50, int(virtual.SCRAPE_INTERVAL_S * 1000 / time_scale))  # as the replay's
