@@ -104,7 +104,17 @@ LEVERS = {
         Lever("+pools", PolicyName.KVGATE, NO_LEARN, pools=True),
         *(
             Lever(f"+pools-backlog-{r:g}", PolicyName.KVGATE, NO_LEARN, pools=True, backlog_ratio=r)
-            for r in (1.25, 1.5, 2)
+            for r in (1.25, 1.5, 2, 4)
+        ),
+        # Pools under the gateway queue as recommended: a waiting request spills when it is planned.
+        Lever("+pools-queue", PolicyName.KVGATE, {"queue": RECOMMENDED["queue"]}, TIGHT, pools=True),
+        Lever(
+            "+pools-queue-backlog-2",
+            PolicyName.KVGATE,
+            {"queue": RECOMMENDED["queue"]},
+            TIGHT,
+            pools=True,
+            backlog_ratio=2,
         ),
         Lever("+priority", PolicyName.KVGATE, PRIORITY, priority=True),
         Lever("+priority-tight", PolicyName.KVGATE, PRIORITY, TIGHT, priority=True),
