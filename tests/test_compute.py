@@ -76,13 +76,13 @@ def test_pools_pick_by_estimated_length_and_a_full_pool_spills_in_order() -> Non
 @pytest.mark.parametrize(
     ("ratio", "expected"),
     [
-        (None, ["long", "long", "long", "long"]),
+        (0.0, ["long", "long", "long", "long"]),
         (2.0, ["long", "long", "short", "short"]),
         (1.0, ["long", "short", "short", "long"]),
     ],
 )
 def test_a_pool_with_room_spills_once_its_backlog_is_ratio_times_the_other_s(
-    ratio: float | None, expected: list[str]
+    ratio: float, expected: list[str]
 ) -> None:
     """Long prompts of 10,000 tokens each, and room for all of them: without a ratio the long pool
     takes every one; with one, a prompt spills while what it would wait for there (the backlog and
@@ -106,7 +106,7 @@ def test_when_no_pool_has_room_a_request_still_goes_where_it_waits_for_less() ->
     """Every backend saturated (50 requests waiting at each): without a ratio the long pool keeps
     every long prompt, however deep its backlog; with one, a prompt goes where the prefill it would
     wait for is smaller by that ratio, room or not (pools that never starve)."""
-    for ratio, expected in ((None, ["long"] * 4), (1.0, ["long", "short"])):
+    for ratio, expected in ((0.0, ["long"] * 4), (1.0, ["long", "short"])):
         sc = service(["short", "short", "long"], pools={**POOLS, "backlog_ratio": ratio})
         for b in ("b0", "b1", "b2"):
             idle(sc, b, waiting=50)

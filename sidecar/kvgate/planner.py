@@ -167,7 +167,7 @@ class Planner:
         when no other will do: the request then waits there, or queues at the gateway."""
         first = self.registry.snapshot(model, pool=pool)
         room = any(first.has_room(n) for n in first.nodes)
-        ratio = self.config.pools.backlog_ratio
+        ratio = self.config.pools.backlog_ratio or None  # 0: spill only when full
         if room and ratio is None:
             return pool, first
         mine = _backlog(first) + tokens
