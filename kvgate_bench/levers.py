@@ -195,7 +195,9 @@ def main(argv: Sequence[str]) -> int:
             extra = {
                 **lv.extra,
                 **(
-                    {"pools": {**pools_extra["pools"], "backlog_ratio": lv.backlog_ratio or 0}} if lv.pools else {}
+                    {"pools": {**pools_extra["pools"], "backlog_ratio": lv.backlog_ratio or 0}}
+                    if lv.pools
+                    else {}
                 ),
                 **slo_section(lv, slo),
             }
