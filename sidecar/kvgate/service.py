@@ -257,11 +257,8 @@ class DecisionService:
                     queue.remove(w.decision_id)
                     out.append((w, shed))
                     continue
-            if held:  # nothing makes its objective now: the ones after it wait too, as for room
-                if not strict:
-                    blocked.add(f.model)
-                continue
-            if plan.decision.candidates and self.planner.must_wait(plan):
+            # No room, or nothing makes its objective now: the ones after it in its model wait too.
+            if held or (plan.decision.candidates and self.planner.must_wait(plan)):
                 if not strict:
                     blocked.add(f.model)
                 continue
