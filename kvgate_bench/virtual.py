@@ -29,6 +29,7 @@ from kvgate.public import (
     Queued,
     QueueFull,
     QueueTimeout,
+    Reason,
     Registry,
     Routed,
     SessionAction,
@@ -84,6 +85,7 @@ class Run:
     speedup: float
     results: list[Result] = field(default_factory=list)
     bound_violations: int = 0  # non-session decisions that picked a node above c x its fair share
+    # (a prefix decision: above holder_load_factor's)
     rejected: int = 0  # refused: the gateway queue full or waited too long, an objective shed: 429s
     queue_waits: list[float] = field(default_factory=list)  # seconds each queued request waited
     wall_s: float = 0.0
@@ -294,8 +296,12 @@ def replay(
                 f = dataclasses.replace(f, token_ids=tuple(r.prompt_ids()))
             k = gw.pick()
             snap = gw.replicas[k].registry.snapshot(f.model)
+            # Before this decision counts itself; a prefix decision's holder is held to the looser
+            # holder bound (the policy's own, at most ``holder_load_factor``).
             admits = snap.bound_admits()
-            under = {n for n in snap.nodes if admits(n)}  # before this decision counts itself
+            holds = snap.bound_admits(max(snap.limits.load_factor, snap.limits.holder_load_factor))
+            under = {n for n in snap.nodes if admits(n)}
+            under_holder = {n for n in snap.nodes if holds(n)}
             remaining -= 1
             try:
                 answer = gw.decide(k, f)
@@ -307,7 +313,8 @@ def replay(
                 waiting[(k, answer.decision_id)] = (r, t)
                 continue
             primary = answer.candidates[0].id
-            if answer.decision.session is not SessionAction.KEEP and under and primary not in under:
+            allowed = under_holder if answer.decision.reason is Reason.PREFIX else under
+            if answer.decision.session is not SessionAction.KEEP and under and primary not in allowed:
                 run.bound_violations += 1
             send(r, answer, t, t, k)
         elif kind == "enqueue":

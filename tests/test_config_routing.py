@@ -27,3 +27,11 @@ def test_an_ejection_never_grows_shorter() -> None:
         ConfigError, match=r"outlier.max_ejection_ms must not be below outlier.base_ejection_ms"
     ):
         load(OutlierConfig, {"base_ejection_ms": 2000, "max_ejection_ms": 1000}, "outlier")
+
+
+def test_a_prefix_holders_bound_defaults_looser_than_everyone_elses() -> None:
+    r = load(RoutingConfig, {"load_factor": 2, "holder_load_factor": 3}, "routing")
+    assert (r.limits.load_factor, r.limits.holder_load_factor) == (2, 3)
+    assert load(RoutingConfig, {}, "routing").limits.holder_load_factor == 4
+    with pytest.raises(ConfigError, match=r"routing.holder_load_factor"):
+        load(RoutingConfig, {"holder_load_factor": 0.5}, "routing")

@@ -1,4 +1,5 @@
 from collections import Counter
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -144,3 +145,19 @@ def test_gateway_replicas_split_a_backends_prefill_budget_for_dispatch() -> None
         assert s.saturated("a") is (tokens >= 1000)  # routing's own test ignores the split
     waiting = Snapshot({"a": NodeView("a", 1.0, load(waiting=9))}, Ring({"a": 1.0}), limits)
     assert not waiting.has_room("a")  # a backend queueing requests has no room, whatever the tokens
+
+
+def test_a_holder_of_nearly_the_whole_prompt_gets_the_looser_bound() -> None:
+    """Above load_factor's bound but within holder_load_factor's, a node holding all of a prompt keeps
+    it (a second copy elsewhere would cost its whole prefill and evict other work); one holding only
+    half of it does not."""
+    s = snap({"a": load(6), "b": load(1), "c": load(1), "d": load(0)})  # a: 6 of 8, share 2.25 at c 1.25
+    whole = Request(feat(None, tuple(f"h{i}" for i in range(8))), 1, prefix_depth={"a": 8})
+    whole = replace(whole, features=replace(whole.features, prompt_bytes=8 * 512))
+    d = decide(PolicyName.KVGATE, whole, s, 3)
+    assert d.candidates[0] == "a" and d.reason is Reason.PREFIX
+    half = replace(whole, prefix_depth={"a": 4})
+    assert decide(PolicyName.KVGATE, half, s, 3).candidates[0] != "a"
+    for tighter in (1.25, 1.0):  # a holder's bound is never tighter than everyone's
+        tight = Snapshot(s.nodes, s.ring, LoadLimits(1.25, 8, 0.95, holder_load_factor=tighter))
+        assert decide(PolicyName.KVGATE, whole, tight, 3).candidates[0] != "a"

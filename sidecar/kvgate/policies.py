@@ -117,11 +117,12 @@ class Snapshot:
             return False
         return not self.saturated(node)
 
-    def bound_admits(self) -> Callable[[str], bool]:
-        """Bounded-load test: a node may take one more request while under c x its fair share."""
+    def bound_admits(self, c: float | None = None) -> Callable[[str], bool]:
+        """Bounded-load test: a node may take one more request while under c x its fair share
+        (``routing.load_factor`` unless given)."""
         total = sum(self.requests(n) for n in self.nodes)
         weights = self.total_weight
-        c = self.limits.load_factor
+        c = self.limits.load_factor if c is None else c
 
         def admits(node: str) -> bool:
             v = self.nodes[node]
@@ -268,6 +269,21 @@ def _prefill_cost(req: Request, snap: Snapshot, node: str) -> int:
     return snap.inflight_tokens.get(node, 0) + uncached_tokens(req.features, req.prefix_depth.get(node, 0))
 
 
+def _holder_admits(req: Request, snap: Snapshot) -> Callable[[str], bool]:
+    """The bound for the nodes holding this prompt's deepest prefix: from ``load_factor`` towards
+    ``holder_load_factor`` with the fourth power of the share of the prompt they hold. Sending the
+    request elsewhere costs that share's prefill now and, under cache pressure, a second copy of it
+    that evicts what another request would have reused (a tenant's long context, a document asked
+    about again). Steep, because a holder of part of a prompt still prefills the rest behind its
+    crowd: at half the prompt the bound has moved 1/16 of the way, at 95 % 81 % of it."""
+    best = max((d for n, d in req.prefix_depth.items() if n in snap.nodes), default=0)
+    est = req.features.est_tokens
+    held = 1.0 - uncached_tokens(req.features, best) / est if est > 0 else 0.0
+    low = snap.limits.load_factor
+    high = max(low, snap.limits.holder_load_factor)
+    return snap.bound_admits(low + (high - low) * held**4)
+
+
 def kvgate(req: Request, snap: Snapshot, limit: int) -> Decision:
     admits = snap.bound_admits()
     key = _ring_key(req)
@@ -282,7 +298,7 @@ def kvgate(req: Request, snap: Snapshot, limit: int) -> Decision:
     # A new key weighs cache against load: among the first under-bound nodes of its ring walk and the
     # nodes holding a deeper-than-shared prefix of it, the one whose first token comes soonest.
     candidates = [n for n in walk if admits(n)][:CHOICES]
-    candidates += [n for n in _best_prefix(req, snap, admits) if n not in candidates]
+    candidates += [n for n in _best_prefix(req, snap, _holder_admits(req, snap)) if n not in candidates]
     if not candidates:
         candidates = walk[:1]
     rank = {n: i for i, n in enumerate(walk)}

@@ -16,7 +16,7 @@ from kvgate.load import Scraped
 from kvgate.looplag import SchedStat, read_schedstat
 from kvgate.messages import Decide, DecisionReply, Outcome, Report
 from kvgate.nginx_conf import DEBIAN_MODULES, LUA_DIR, NginxSettings, configure_lua, find_nginx
-from kvgate.policies import SessionAction
+from kvgate.policies import Reason, SessionAction
 from kvgate.queue import QueueFull, QueueTimeout
 from kvgate.registry import Registry
 from kvgate.service import Queued, Routed
@@ -36,6 +36,7 @@ __all__ = [
     "QueueFull",
     "QueueTimeout",
     "Queued",
+    "Reason",
     "Registry",
     "Report",
     "Routed",

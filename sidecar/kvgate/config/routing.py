@@ -61,6 +61,13 @@ class LoadLimits:
         10_000_000,
         "prompt tokens routed and awaiting prefill at which a backend counts as saturated (~1 s on an H100)",
     )
+    holder_load_factor: float = number(
+        4.0,
+        1.0,
+        10.0,
+        "c for a backend holding nearly all of a request's prompt (a deeper-than-shared prefix): the "
+        "bound rises from load_factor with the fourth power of the share held (never below load_factor)",
+    )
 
 
 def _policy(value: Any, where: str) -> PolicyName:
