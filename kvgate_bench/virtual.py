@@ -84,8 +84,7 @@ class Run:
     backends: int
     speedup: float
     results: list[Result] = field(default_factory=list)
-    bound_violations: int = 0  # non-session decisions that picked a node above c x its fair share
-    # (a prefix decision: above holder_load_factor's)
+    bound_violations: int = 0  # non-session decisions that picked a node above its c x fair share
     rejected: int = 0  # refused: the gateway queue full or waited too long, an objective shed: 429s
     queue_waits: list[float] = field(default_factory=list)  # seconds each queued request waited
     wall_s: float = 0.0
@@ -235,19 +234,11 @@ def replay(
                 expected,
             )
         )
-        cached = req.cached_tokens
-        tell(
-            sent.replica,
-            Outcome.end(
-                sent.decision,
-                sent.backend,
-                200,
-                True,
-                first - req.arrival,
-                end - req.arrival,
-                cached_tokens=cached,
-            ),
+        ttft, e2e = first - req.arrival, end - req.arrival
+        outcome = Outcome.end(
+            sent.decision, sent.backend, 200, True, ttft, e2e, cached_tokens=req.cached_tokens
         )
+        tell(sent.replica, outcome)
         done += 1
         if progress is not None and (done % 200 == 0 or done == len(requests)):
             progress(done, len(requests))
@@ -296,10 +287,12 @@ def replay(
                 f = dataclasses.replace(f, token_ids=tuple(r.prompt_ids()))
             k = gw.pick()
             snap = gw.replicas[k].registry.snapshot(f.model)
-            # Before this decision counts itself; a prefix decision's holder is held to the looser
-            # holder bound (the policy's own, at most ``holder_load_factor``).
-            admits = snap.bound_admits()
-            holds = snap.bound_admits(max(snap.limits.load_factor, snap.limits.holder_load_factor))
+            lim = snap.limits
+            # Before this decision counts itself (a prefix decision: against the holder bound).
+            admits, holds = (
+                snap.bound_admits(),
+                snap.bound_admits(max(lim.load_factor, lim.holder_load_factor)),
+            )
             under = {n for n in snap.nodes if admits(n)}
             under_holder = {n for n in snap.nodes if holds(n)}
             remaining -= 1

@@ -1,7 +1,8 @@
 """KV events from real vLLM servers: kvgate's block hashes are the ones vLLM publishes; the
 sidecar's own tokenizer gives the ids vLLM's /tokenize gives; a gateway with the exact index finds a
 prompt on the server that holds it, though no routing decision ever put it there (it was sent to
-that server directly); and a server restarted is cleared from the index and filled again."""
+that server directly); a server restarted is cleared from the index and filled again; and a context
+evicted from one server and cached on the other is followed there."""
 
 from __future__ import annotations
 
@@ -16,7 +17,17 @@ from kvgate.kv_events import BlockRemoved, BlockStored, decode
 from kvgate.kv_hashes import chain
 from kvgate.local_tokenizer import LocalTokenizer
 
-from tests.real.conftest import BLOCK_SIZE, MODEL, Gateway, RealFleet, Tokens, get_text, post
+from tests.real.conftest import (
+    BLOCK_SIZE,
+    BLOCKS,
+    MODEL,
+    Gateway,
+    RealFleet,
+    Tokens,
+    block_floor,
+    get_text,
+    post,
+)
 from vllm_real.fleet import MODEL_DIR
 
 pytestmark = pytest.mark.real
@@ -162,3 +173,70 @@ def test_a_restarted_server_is_cleared_from_the_index_and_filled_again(
         gw.stop()
         if fleet.sup.procs.get(fleet.fleet.names[1]) is None:
             fleet.fleet.restart(1)
+
+
+def test_affinity_follows_a_context_through_eviction(fleet: RealFleet, tokens: Tokens) -> None:
+    """A tenant's context served through the gateway on one server, then evicted there by other
+    prompts (sent to that server directly) and cached on the other server (directly too): its next
+    request goes where the context now is, and the engine delivers the hit. The gateway's own
+    decisions only ever put the context on the first server, so an index built from them (the
+    approximate one) would have sent it back there, to be prefilled again."""
+    gw = Gateway(
+        fleet.sup,
+        "exact-evict",
+        publishing(fleet),
+        kv_index={"tokenize_timeout_ms": 2000},
+        gateway={"decision_timeout_ms": 3000},
+    )
+    ctx = zmq.Context()
+    try:
+        time.sleep(1.0)  # the sidecar's subscription is up before the events it must see
+        context = tokens.text(2000, uuid.uuid4().int % 10**9)
+        status, headers, answer = gw.chat(chat_body(messages(context, "first question?")))
+        assert status == 200, answer
+        first = headers["X-Kvgate-Backend"]
+        x, y = int(first.rsplit("-", 1)[1]), 1 - int(first.rsplit("-", 1)[1])
+        status, _, tokenized = post(
+            fleet.urls[x] + "/tokenize", {"model": MODEL, "messages": messages(context, "first question?")}
+        )
+        assert status == 200, tokenized
+        head = chain(tokenized["tokens"], BLOCK_SIZE)[0]  # the context's first block
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{fleet.specs[x].kv_events_port}")
+        time.sleep(1.0)  # ZMQ's slow joiner
+        # More new blocks than the server's whole cache, one prompt at a time: every block it held
+        # before, the context's included, is reused for these.
+        evicted = False
+        for i in range(3):
+            other = tokens.text(BLOCKS * BLOCK_SIZE // 3 + 2 * BLOCK_SIZE, uuid.uuid4().int % 10**9)
+            status, _, answer = post(
+                fleet.urls[x] + "/v1/chat/completions", chat_body(messages(other, f"evict {i}")), timeout=120
+            )
+            assert status == 200, answer
+            while sub.poll(100):
+                _, _, payload = sub.recv_multipart()
+                evicted |= any(
+                    isinstance(e, BlockRemoved) and head in e.hashes for e in decode(payload).events
+                )
+        assert evicted, "the context's first block was never removed from its server"
+        stored = f'kvgate_kv_events_total{{backend="vllm-{y}",type="BlockStored"}}'
+        before = gw.sidecar_metric(stored)
+        status, _, answer = post(
+            fleet.urls[y] + "/v1/chat/completions", chat_body(messages(context, "asked elsewhere?"))
+        )
+        assert status == 200, answer
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and gw.sidecar_metric(stored) <= before:
+            time.sleep(0.2)
+        time.sleep(0.5)  # the rest of that request's events
+        status, headers, answer = gw.chat(chat_body(messages(context, "and now?")))
+        assert status == 200, answer
+        assert headers["X-Kvgate-Backend"] == f"vllm-{y}", headers["X-Kvgate-Route"]
+        assert headers["X-Kvgate-Route"] == "prefix"
+        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= block_floor(1500), answer["usage"]
+    finally:
+        ctx.destroy(linger=0)
+        gw.stop()
