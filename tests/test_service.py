@@ -1,18 +1,20 @@
 """The decision service with a real Redis: replicas racing for one session agree, a burst of new
 sessions spreads while its claims wait, a bound session stays until its backend saturates, and each
-candidate's first-byte budget is learned from its answers."""
+candidate's first-byte budget is learned from its answers, and a backend serving none of its credited
+prefix is counted as prefilling it."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+from kvgate.features import extract
 from kvgate.load import Scraped
 from kvgate.messages import Outcome
 from kvgate.policies import SessionAction
 from kvgate.redis_client import connect
 
-from tests.cores import config, features, ready, run
+from tests.cores import MODEL, config, features, ready, run
 from tests.helpers import PATIENT_REDIS
 
 
@@ -148,5 +150,36 @@ def test_with_the_fair_order_each_tenant_s_service_wait_and_depth_are_counted() 
         assert "kvgate_tenant_queue_depth{" not in text  # nothing waits: no series
         assert 'kvgate_tenant_queue_wait_seconds_count{tenant="team-b"} 1.0' in text
         sc.service.report([Outcome.end("d1", backend, 200, True, 0.1, 0.2)])
+
+    run(scenario())
+
+
+def test_a_backend_that_serves_none_of_its_credited_prefix_is_counted_as_prefilling_it() -> None:
+    """The index credits the backend with the prompt it was sent before; its scrapes say its cache
+    served none of it (evicted, say): the prefill this gateway counts there (the in-flight ledger
+    the policies and the SLO's predictions read) comes back to the whole prompt."""
+
+    async def scenario() -> None:
+        sc = ready(config(None, backends=1), None)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 2000}]}
+        f = extract(body)
+        now = asyncio.get_running_loop().time()
+        first = await sc.service.route(f, "d0")
+        b = first.candidates[0].id
+        sc.service.report([Outcome.end("d0", b, 200, True, 0.01, 0.02)])
+        credited = await sc.service.route(f, "d1")
+        trusting = sc.registry.ledger.tokens[b]
+        assert trusting < f.est_tokens // 10  # the index says the backend holds it: little to prefill
+        sc.service.report([Outcome.end("d1", b, 200, True, 0.01, 0.02)])
+        for i in range(2, 14):
+            # Each scrape: the engine was asked for the prompt's tokens and served none from cache.
+            sc.registry.scrape_ok(b, Scraped(0, 0, 0.1, i * f.est_tokens, 0, now + i))
+            await sc.service.route(f, f"d{i}")
+            sc.service.report([Outcome.end(f"d{i}", b, 200, True, 0.01, 0.02)])
+        assert sc.registry.ledger.tokens.get(b, 0) == 0  # every decision ended
+        await sc.service.route(f, "d14")
+        assert sc.registry.ledger.tokens[b] == f.est_tokens
+        assert credited.reuse[1] > 0
+        sc.service.report([Outcome.end("d14", b, 200, True, 0.01, 0.02)])
 
     run(scenario())

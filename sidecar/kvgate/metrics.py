@@ -142,6 +142,13 @@ class SidecarMetrics:
             buckets=(0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0),
             registry=r,
         )
+        self.prefix_served_share = Gauge(
+            "kvgate_prefix_served_share",
+            "Share of the prefix the index credits a backend with that its engine serves from cache, "
+            "from its scraped hit rate against the credited one (kvgate.realized; 1 until known).",
+            ["backend"],
+            registry=r,
+        )
         # Per tenant (kvgate.tenants: an API key's name, else "anonymous"), with the gateway queue on.
         self.tenant_tokens = Counter(
             "kvgate_tenant_routed_tokens",

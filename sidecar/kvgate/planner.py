@@ -20,6 +20,7 @@ from kvgate.messages import Candidate
 from kvgate.metrics import SidecarMetrics
 from kvgate.policies import Decision, Reason, Request, SessionAction, Snapshot, decide, uncached_tokens
 from kvgate.prefix_index import Match, PrefixIndex
+from kvgate.realized import Realized
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
 from kvgate.slo import Judgement, Verdict, judge
@@ -78,6 +79,7 @@ class Planner:
     ) -> None:
         self.config = config
         self.exact = exact
+        self.realized = Realized()
         self.registry = registry
         self.sessions = sessions
         self.index = index
@@ -195,6 +197,21 @@ class Planner:
         strict = plan.req.features.key_source == "response"
         return strict or not any(snap.has_room(n) for n in snap.nodes)
 
+    def uncached(self, f: Features, depth_chunks: int, bid: str) -> int:
+        """Prompt tokens ``bid`` will likely prefill for this request (``kvgate.realized``)."""
+        s = self.registry.backends.get(bid)
+        return self.realized.uncached(f, depth_chunks, bid, None if s is None else s.scraped)
+
+    def count_routed(self, f: Features, depth_chunks: int, bid: str) -> None:
+        """A request was committed to ``bid``: what the index credited it with there is counted
+        against what the engine then serves."""
+        r, s = self.realized, self.registry.backends.get(bid)
+        share = r.share(bid, None if s is None else s.scraped)  # the scrapes before this request
+        self.metrics.of(self.metrics.prefix_served_share, bid).set(share)
+        r.routed(bid, f.est_tokens, f.est_tokens - uncached_tokens(f, depth_chunks))
+        if len(r) > len(self.registry.backends):
+            r.forget(self.registry.backends)
+
     def against(
         self, plan: Plan, objective: Objective, waited: float, sheddable: bool, can_wait: bool
     ) -> tuple[Plan, Judgement]:
@@ -206,7 +223,7 @@ class Planner:
         queued = self.registry.ledger.tokens
         predictions: dict[str, tuple[float, float]] = {}
         for n in plan.snap.nodes:
-            own = uncached_tokens(f, depth.get(n, 0))
+            own = self.uncached(f, depth.get(n, 0), n)
             now = self.first_byte.predict(n, queued.get(n, 0) + own)
             idle = self.first_byte.predict(n, own)
             if now is not None and idle is not None:
@@ -259,7 +276,7 @@ class Planner:
         out = []
         for b in ids:
             work = queued.get(b, 0) - (counted[1] if b == counted[0] else 0)
-            work += uncached_tokens(req.features, req.prefix_depth.get(b, 0))
+            work += self.uncached(req.features, req.prefix_depth.get(b, 0), b)
             node = snap.nodes.get(b)
             trusted = (
                 node is not None and node.load.known and not node.load.kv_short and not snap.saturated(b)

@@ -37,7 +37,6 @@ from kvgate.messages import Outcome
 from kvgate.metrics import SidecarMetrics
 from kvgate.outcomes import Outcomes
 from kvgate.planner import Plan, Planner, Routed
-from kvgate.policies import uncached_tokens
 from kvgate.prefix_index import PrefixIndex
 from kvgate.queue import GatewayQueue, QueueFull, QueueTimeout, Waiting
 from kvgate.registry import Registry
@@ -194,7 +193,7 @@ class DecisionService:
         decision, req, snap = plan.decision, plan.req, plan.snap
 
         def uncached(backend: str) -> int:
-            return uncached_tokens(f, req.prefix_depth.get(backend, 0))
+            return self.planner.uncached(f, req.prefix_depth.get(backend, 0), backend)
 
         primary = decision.candidates[0]
         ledger = self.registry.ledger
@@ -207,6 +206,7 @@ class DecisionService:
                 self.registry.ledger.move(did, primary, uncached(primary))
         if f.hashes and policy.reads_prefixes:
             self.index.record(f.hashes, primary, plan.matched)
+            self.planner.count_routed(f, req.prefix_depth.get(primary, 0), primary)
         self.metrics.of(self.metrics.decisions, policy.value, decision.label).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         predicted = self.registry.ledger.expect(did, self.first_byte.predict)
