@@ -37,6 +37,7 @@ from kvgate_bench.targets import (
     KVGATE_POLICIES,
     PEER_TARGETS,
     ensure_peer_venv,
+    prediction_error,
     real_fleet,
     reset_caches,
     start_target,
@@ -136,8 +137,9 @@ def run_target(
                     str(i),
                 )
             workers = [f"http://127.0.0.1:{port + i}" for i in range(args.backends)]
+        sidecars: list[str] = []
         urls = start_target(
-            sup, target, workers, args.time_scale, peer_cpus, replicas, report.Slo.from_args(args)
+            sup, target, workers, args.time_scale, peer_cpus, replicas, report.Slo.from_args(args), sidecars
         )
         with RunCpu(proc.pid for proc in sup.procs.values()) as used:
             lr = asyncio.run(
@@ -147,9 +149,11 @@ def run_target(
         logs = [sup.run_dir / "nginx-access.log"]
         logs += [sup.run_dir / f"replica-{k}" / "nginx-access.log" for k in range(1, replicas)]
         gw = [t for log in logs for t in gateway_ttfts(log)]
+        predicted = prediction_error(sidecars)
     finally:
         sup.stop_all()
     row = summarize_live(label, lr, args.time_scale, speedup, gw, cpu, report.Slo.from_args(args))
+    row = replace(row, predicted=predicted[0], prediction_p50=predicted[1], prediction_p90=predicted[2])
     gw_note = (
         f"(gateway p50 {row.gateway_ttft_p50:.3f}s vs client {row.ttft_p50:.3f}s) "
         if row.gateway_ttft_p50 is not None
@@ -164,6 +168,12 @@ def run_target(
     )
     if row.errors:
         print(f"    errors: {errors_by_reason(lr.samples)}", file=sys.stderr)
+    if row.prediction_p50 is not None and row.prediction_p90 is not None:
+        print(
+            f"    the gateway predicted {row.predicted} first bytes: error p50 {row.prediction_p50:.0%} "
+            f"p90 {row.prediction_p90:.0%}",
+            file=sys.stderr,
+        )
     return row, [s.ttft * args.time_scale for s in lr.samples if s.ok]
 
 

@@ -107,6 +107,10 @@ class Summary:
     speedup: float = 1.0
     valid: bool = True
     note: str = ""
+    # Live kvgate runs: first bytes the gateway predicted, and its error's p50 / p90 (its histogram).
+    predicted: int = 0
+    prediction_p50: float | None = None
+    prediction_p90: float | None = None
 
 
 def pct(values: Sequence[float], q: float) -> float:

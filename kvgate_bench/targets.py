@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,13 +87,17 @@ def start_target(
     peer_cpus: str | None = None,
     replicas: int = 1,
     slo: report.Slo = report.DEFAULT_SLO,
+    sidecars: list[str] | None = None,
 ) -> list[str]:
     """Start ``target`` in front of ``workers``; returns its base URLs once it routes (kvgate: one
     per gateway replica, ``replicas`` of them on one Redis; a peer router: one). ``peer_cpus`` (a
     ``taskset`` CPU list) pins a peer router, for a peer that would otherwise starve the simulators
-    of CPU. ``slo``: the objective of the ``+slo`` variant."""
+    of CPU. ``slo``: the objective of the ``+slo`` variant. ``sidecars``: filled with kvgate's
+    sidecars' HTTP URLs (their metrics)."""
+    sidecars = [] if sidecars is None else sidecars
     kind, _, policy = target.partition(":")
     if kind == "kvgate":
+        sidecars.clear()
         policy, _, flavour = policy.partition("+")
         extra = variant(flavour, slo, time_scale) if flavour else {}
         redis_port = free_port()
@@ -126,7 +131,9 @@ def start_target(
             )
             (run_dir / "nginx-access.log").unlink(missing_ok=True)  # one run's requests only
             name = "kvgate" if k == 0 else f"kvgate-{k}"
-            urls.append(launch_replica(sup, name, cfg, settings).url)
+            replica = launch_replica(sup, name, cfg, settings)
+            urls.append(replica.url)
+            sidecars.append(replica.http)
         return urls
     port = free_port()
     # Both peers take the same flags; sglang-router needs "launch" and a metrics port of its own.
@@ -185,3 +192,39 @@ def reset_caches(urls: Sequence[str]) -> None:
         req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
         with urllib.request.urlopen(req, timeout=30) as resp:
             resp.read()
+
+
+def prediction_error(sidecars: Sequence[str]) -> tuple[int, float | None, float | None]:
+    """The gateway's own TTFT prediction error over a run (``kvgate_ttft_prediction_error``, every
+    backend of every replica): how many first bytes it predicted, and the error's p50 and p90 as
+    Prometheus' ``histogram_quantile`` reads them (linear within a bucket)."""
+    cumulative: dict[float, float] = {}
+    for url in sidecars:
+        try:
+            with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("kvgate_ttft_prediction_error_bucket{"):
+                le = float(line.split('le="', 1)[1].split('"', 1)[0])
+                cumulative[le] = cumulative.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+    total = cumulative.get(math.inf, 0.0)
+    return int(total), histogram_quantile(cumulative, 0.5), histogram_quantile(cumulative, 0.9)
+
+
+def histogram_quantile(cumulative: Mapping[float, float], q: float) -> float | None:
+    """The ``q`` quantile of a histogram given as cumulative counts per upper bound (``+Inf``
+    included), linear within a bucket, as Prometheus' ``histogram_quantile``."""
+    total = cumulative.get(math.inf, 0.0)
+    if total <= 0:
+        return None
+    rank, low, below = q * total, 0.0, 0.0
+    for bound in sorted(cumulative):
+        count = cumulative[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return low  # beyond the last finite bound: that bound, as Prometheus says
+            return low + (bound - low) * (rank - below) / (count - below) if count > below else bound
+        low, below = bound, count
+    return None

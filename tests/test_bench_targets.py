@@ -15,3 +15,15 @@ def test_the_slo_variant_carries_the_run_s_objective_scaled_to_the_simulators_ti
     cfg = Config.from_mapping({**extra, "backends": [{"url": "http://127.0.0.1:1"}]})
     assert cfg.slo.objectives[0].ttft_s == 0.5
     assert "slo" not in targets.variant("queue", report.Slo(2.0, 0.1), time_scale=4.0)
+
+
+def test_the_prediction_error_quantiles_read_a_histogram_as_prometheus_does() -> None:
+    inf = float("inf")
+    # 10 at or under 0.1, 10 more under 0.2, 10 more under 0.5, none past it.
+    cumulative = {0.1: 10.0, 0.2: 20.0, 0.5: 30.0, 1.0: 30.0, inf: 30.0}
+    assert targets.histogram_quantile(cumulative, 0.5) == 0.1 + 0.1 * 5 / 10
+    assert abs((targets.histogram_quantile(cumulative, 0.9) or 0) - (0.2 + 0.3 * 7 / 10)) < 1e-12
+    # Past the last finite bound: that bound.
+    assert targets.histogram_quantile({0.1: 1.0, inf: 10.0}, 0.9) == 0.1
+    assert targets.histogram_quantile({inf: 0.0}, 0.5) is None
+    assert targets.prediction_error([]) == (0, None, None)

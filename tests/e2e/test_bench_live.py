@@ -105,6 +105,8 @@ def test_compare_runs_each_kvgate_policy_on_fresh_backends(tmp_path: Path) -> No
     rows = json.loads((tmp_path / "report.json").read_text())["rows"]
     assert [r["target"] for r in rows] == ["kvgate:round_robin", "kvgate:kvgate", "kvgate:kvgate+queue"]
     assert all(r["errors"] == 0 and r["requests"] == 30 for r in rows)
+    # Each gateway's own TTFT prediction error, read off its sidecar's histogram before it stopped.
+    assert all(r["predicted"] > 0 and 0 <= r["prediction_p50"] <= r["prediction_p90"] for r in rows), rows
     # The +queue variant ran a gateway with the compute layer on, not a plain kvgate under another name.
     cfg = yaml.safe_load((tmp_path / "run" / "kvgate-kvgate+queue" / "kvgate-sidecar.yaml").read_text())
     assert cfg["queue"]["enabled"] is True and cfg["queue"]["order"] == "shortest"
