@@ -181,6 +181,12 @@ def test_affinity_follows_a_context_through_eviction(fleet: RealFleet, tokens: T
     request goes where the context now is, and the engine delivers the hit. The gateway's own
     decisions only ever put the context on the first server, so an index built from them (the
     approximate one) would have sent it back there, to be prefilled again."""
+    # A gateway that joins a publisher's stream late has a partial view of it, where the approximate
+    # index fills in (and would keep the context where the gateway sent it). Fresh engines: the
+    # gateway sees every event from the first, so its views are full.
+    for i in range(len(fleet.urls)):
+        fleet.fleet.stop(i)
+        fleet.fleet.restart(i)
     gw = Gateway(
         fleet.sup,
         "exact-evict",
@@ -231,6 +237,11 @@ def test_affinity_follows_a_context_through_eviction(fleet: RealFleet, tokens: T
         while time.monotonic() < deadline and gw.sidecar_metric(stored) <= before:
             time.sleep(0.2)
         time.sleep(0.5)  # the rest of that request's events
+        full = [f'kvgate_kv_index_view{{backend="vllm-{i}",view="full"}}' for i in range(len(fleet.urls))]
+        deadline = time.monotonic() + 10  # the gauge follows the view within a second
+        while time.monotonic() < deadline and not all(gw.sidecar_metric(m) == 1 for m in full):
+            time.sleep(0.2)
+        assert all(gw.sidecar_metric(m) == 1 for m in full), get_text(gw.sidecar + "/metrics")
         status, headers, answer = gw.chat(chat_body(messages(context, "and now?")))
         assert status == 200, answer
         assert headers["X-Kvgate-Backend"] == f"vllm-{y}", headers["X-Kvgate-Route"]
