@@ -71,6 +71,12 @@ def post(
             return exc.code, dict(exc.headers), json.loads(raw) if raw.startswith(b"{") else raw.decode()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that restart the fleet's servers run last: every other test meets the servers (and the
+    session's gateways' view of them) as they started."""
+    items.sort(key=lambda item: item.get_closest_marker("restarts_fleet") is not None)
+
+
 @pytest.fixture(scope="session")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealFleet]:
     sup = Supervisor(tmp_path_factory.mktemp("real-vllm") / "run")

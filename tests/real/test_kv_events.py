@@ -132,6 +132,7 @@ def test_the_sidecars_own_tokenizer_gives_the_ids_vllm_gives(fleet: RealFleet, t
         assert local.encode(request) == tuple(answer["tokens"]), request
 
 
+@pytest.mark.restarts_fleet
 def test_a_restarted_server_is_cleared_from_the_index_and_filled_again(
     fleet: RealFleet, tokens: Tokens
 ) -> None:
@@ -175,6 +176,7 @@ def test_a_restarted_server_is_cleared_from_the_index_and_filled_again(
             fleet.fleet.restart(1)
 
 
+@pytest.mark.restarts_fleet
 def test_affinity_follows_a_context_through_eviction(fleet: RealFleet, tokens: Tokens) -> None:
     """A tenant's context served through the gateway on one server, then evicted there by other
     prompts (sent to that server directly) and cached on the other server (directly too): its next
