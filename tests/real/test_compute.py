@@ -87,6 +87,13 @@ def disaggregated(fleet: RealFleet, p_url: str, d_url: str, tokens: Tokens) -> N
         disaggregation={"models": [MODEL]},
     )
     try:
+        # Until the gateway knows both sides serve the model it serves the request co-located (by
+        # design): wait for both, as an operator's readiness check would.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+            b["state"] == "healthy" and MODEL in b["models"] for b in gw.backends().values()
+        ):
+            time.sleep(0.2)
         body = {
             "model": MODEL,
             "messages": [{"role": "user", "content": tokens.text(1500, 77)}],
