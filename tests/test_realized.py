@@ -13,6 +13,19 @@ def feat(prompt_bytes: int) -> Features:
     return Features("m", None, "none", (), prompt_bytes)
 
 
+def served(intervals: int, credited: int, hits: int) -> tuple[Realized, float]:
+    """A backend marked at a first scrape, then ``intervals`` scrapes each after 10k prompt tokens
+    routed with ``credited`` of them credited, the engine serving ``hits`` of 10k queried."""
+    r = Realized()
+    r.routed("b", 0, 0)
+    r.share("b", scraped(0, 0, 0))
+    share = 1.0
+    for i in range(1, intervals + 1):
+        r.routed("b", 10_000, credited)
+        share = r.share("b", scraped(i, i * 10_000, i * hits))
+    return r, share
+
+
 def test_unknown_until_a_window_of_traffic_and_two_scrapes() -> None:
     r = Realized()
     assert r.share("b", scraped(1, 0, 0)) == 1.0  # never routed there
@@ -23,13 +36,7 @@ def test_unknown_until_a_window_of_traffic_and_two_scrapes() -> None:
 
 
 def test_a_backend_serving_a_fifth_of_what_the_index_credits() -> None:
-    r = Realized()
-    r.share("b", None)
-    r.routed("b", 0, 0)
-    r.share("b", scraped(0, 0, 0))
-    for i in range(1, 40):  # each interval: 10k prompt tokens routed, half credited; 10 % served
-        r.routed("b", 10_000, 5_000)
-        share = r.share("b", scraped(i, i * 10_000, i * 1_000))
+    r, share = served(39, 5_000, 1_000)  # half of each prompt credited, 10 % served
     assert abs(share - 0.2) < 1e-9
     # What the gateway counts it will prefill there: the uncredited part, plus 80 % of the credited.
     f = feat(40_000)  # 10,000 tokens at 4 bytes each
@@ -41,22 +48,12 @@ def test_a_backend_serving_a_fifth_of_what_the_index_credits() -> None:
 
 
 def test_a_backend_serving_more_than_credited_is_trusted_as_credited() -> None:
-    r = Realized()
-    r.routed("b", 0, 0)
-    r.share("b", scraped(0, 0, 0))
-    for i in range(1, 10):
-        r.routed("b", 10_000, 1_000)
-        share = r.share("b", scraped(i, i * 10_000, i * 9_000))
+    _, share = served(9, 1_000, 9_000)
     assert share == 1.0
 
 
 def test_a_restarted_engine_starts_a_new_mark_and_a_removed_backend_is_forgotten() -> None:
-    r = Realized()
-    r.routed("b", 0, 0)
-    r.share("b", scraped(0, 0, 0))
-    for i in range(1, 10):
-        r.routed("b", 10_000, 5_000)
-        r.share("b", scraped(i, i * 10_000, i * 2_500))
+    r, _ = served(9, 5_000, 2_500)
     assert abs(r.share("b", None) - 0.5) < 1e-9
     r.routed("b", 10_000, 5_000)
     assert abs(r.share("b", scraped(10, 500, 0)) - 0.5) < 1e-9  # counters went back: only the mark
