@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import time
@@ -22,30 +23,45 @@ LOGS: dict[int, Path] = {}  # pid -> the log file a Supervisor gave it, for fail
 
 
 # -- ports ------------------------------------------------------------------------------------------
-def free_port() -> int:
+# Ports are drawn below the kernel's ephemeral range: a port the kernel handed out (bind to 0) is
+# the next one it gives an outgoing connection too, and any client connection made between our
+# choice and the server's bind() takes it ("Address already in use"). Ports handed out by this
+# process are not handed out again.
+_FLOOR = 10000
+_GIVEN: set[int] = set()
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    return free_ports(1)
 
 
 def free_ports(n: int) -> int:
-    """First of n consecutive free ports (vllm-sim --instances serves port..port+n-1)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n >= 65535:
+    """First of n consecutive free ports (vllm-sim --instances serves port..port+n-1), outside
+    the ephemeral range and not given out before by this process."""
+    top = max(_ephemeral_low(), _FLOOR + 1000) - n
+    for _ in range(500):
+        base = random.randrange(_FLOOR, top)
+        run = range(base, base + n)
+        if any(p in _GIVEN for p in run) or not all(_bindable(p) for p in run):
             continue
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
+        _GIVEN.update(run)
+        return base
     raise RuntimeError("no run of free ports found")
 
 
