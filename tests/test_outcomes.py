@@ -54,3 +54,38 @@ def test_cached_tokens_an_engine_reports_count_as_delivered_reuse() -> None:
     sc.service.outcomes.apply([Outcome.end(None, b, 500, False, None, 0.1, cached_tokens=99)])  # no answer
     got = sc.metrics.registry.get_sample_value("kvgate_route_reuse_tokens_total", {"kind": "delivered"})
     assert got == 1_024
+
+
+def test_a_responses_turn_ahead_of_its_previous_responses_report_waits_for_it() -> None:
+    """A client may send the next turn within milliseconds of the response it continues, before
+    that response's first-byte report has reached the sidecar: the decision waits briefly for the
+    report instead of placing the turn where load says (a backend without the response: 404)."""
+
+    async def scenario() -> None:
+        sc = core()
+        key = session_key("r", "resp_late")
+        f = Features(MODEL, key, "response", (), 100)
+        guess = (await sc.service.explain(f)).candidates[0].id
+        home = next(b for b in ("b0", "b1") if b != guess)
+        loop = asyncio.get_running_loop()
+        loop.call_later(
+            0.005, sc.service.outcomes.apply, [Outcome.first("d0", home, response_id="resp_late")]
+        )
+        routed = await sc.service.route(f, "d1")
+        assert routed.candidates[0].id == home
+        # A response no backend reported: decided after the bounded wait, where load says.
+        t0 = loop.time()
+        other = await sc.service.route(
+            Features(MODEL, session_key("r", "resp_none"), "response", (), 100), "d2"
+        )
+        assert other.candidates and loop.time() - t0 < 0.5
+        waits = {
+            r: sc.metrics.registry.get_sample_value("kvgate_response_binding_waits_total", {"result": r})
+            for r in ("found", "unknown")
+        }
+        assert waits == {"found": 1.0, "unknown": 1.0}
+        for did, b in (("d1", home), ("d2", other.candidates[0].id)):
+            sc.service.outcomes.apply([Outcome.end(did, b, 200)])
+        assert len(sc.registry.ledger) == 0
+
+    asyncio.run(scenario())

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from kvgate.features import Features, session_key
 from kvgate.messages import Outcome
 from kvgate.policies import SessionAction
 from kvgate.redis_batch import PIPELINES
@@ -17,7 +18,7 @@ from kvgate.redis_client import connect
 from kvgate.tools.launcher import Supervisor
 from kvgate.tools.readiness import free_port
 
-from tests.cores import config, features, ready, run
+from tests.cores import MODEL, config, features, ready, run
 from tests.helpers import PATIENT_REDIS
 
 
@@ -304,6 +305,39 @@ def test_a_binding_a_lone_replica_did_not_know_follows_the_request_and_claims_ar
         assert sc.sessions.cached("h:intruder") == ("b0", True)
         assert not sc.sessions.answers_first
         assert sc.metrics.registry.get_sample_value("kvgate_affinity_total", {"outcome": "rebind"}) == 1
+        await client.aclose()
+
+    run(scenario())
+
+
+def test_a_response_another_replica_reports_is_found_in_redis_within_the_wait(redis_url: str) -> None:
+    """The previous response's report went to another replica, which writes it to Redis: the turn's
+    decision, made a few milliseconds earlier, asks Redis again while it waits and follows it."""
+
+    async def scenario() -> None:
+        cfg = config(redis_url)
+        client = connect(cfg.redis)
+        assert client is not None
+        sc = ready(cfg, client)
+        key = session_key("r", "resp_elsewhere")
+        f = Features(MODEL, key, "response", (), 100)
+        guess = (await sc.service.explain(f)).candidates[0].id
+        home = next(b.id for b in cfg.backends if b.id != guess)
+        writer = connect(cfg.redis)
+        assert writer is not None
+
+        async def other_replica_reports() -> None:
+            await asyncio.sleep(0.006)
+            await writer.set(f"{cfg.redis.prefix}:s:{key}", home)
+
+        reporting = asyncio.create_task(other_replica_reports())
+        routed = await sc.service.route(f, "r1")
+        await reporting
+        assert routed.candidates[0].id == home
+        assert await sc.sessions.reported(session_key("r", "resp_unknown"), 0.01) is None
+        sc.service.report([Outcome.end("r1", home, 200)])
+        assert sum(sc.registry.ledger.counts.values()) == 0
+        await writer.aclose()
         await client.aclose()
 
     run(scenario())

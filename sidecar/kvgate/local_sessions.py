@@ -4,6 +4,7 @@ while Redis is down, and writes every answer Redis gives into it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 
 
@@ -13,6 +14,7 @@ class LocalSessions:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._map: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._changed: asyncio.Event | None = None  # made only while a decision waits for a binding
 
     def get(self, key: str) -> tuple[str, float] | None:
         entry = self._map.get(key)
@@ -28,3 +30,12 @@ class LocalSessions:
         self._map.move_to_end(key)
         while len(self._map) > self.capacity:
             self._map.popitem(last=False)
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def changed(self) -> asyncio.Event:
+        """Set by the next ``set``: a decision waiting for a binding to be learnt looks again."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed

@@ -61,6 +61,13 @@ class SidecarMetrics:
         self.redis_fallbacks = Counter(
             "kvgate_redis_fallbacks", "Session lookups answered from local memory (Redis down).", registry=r
         )
+        self.response_waits = Counter(
+            "kvgate_response_binding_waits",
+            "Responses turns whose previous response no replica knew yet: the decision waited for its "
+            "report (result: found, or unknown after the wait).",
+            ["result"],
+            registry=r,
+        )
         self.scrape_latency = Histogram(
             "kvgate_scrape_seconds", "Latency of backend /metrics scrapes.", registry=r
         )

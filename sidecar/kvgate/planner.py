@@ -25,6 +25,10 @@ from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
 from kvgate.slo import Judgement, Verdict, judge
 
+# A Responses turn whose previous response no replica knows yet waits this long for its report (sent
+# at the first byte: ms behind), at most a third of Nginx's budget for it (gateway.decision_timeout_ms).
+RESPONSE_REPORT_WAIT_S = 0.02
+
 
 @dataclass(frozen=True, slots=True)
 class Routed:
@@ -129,6 +133,11 @@ class Planner:
                 bound = await self.sessions.peek(f.key)
             elif (known := self.sessions.cached(f.key)) is not None:
                 bound, confirmed = known
+            elif f.key_source == "response":
+                # Only the backend storing the previous response can continue it (others: 404).
+                budget = min(RESPONSE_REPORT_WAIT_S, self.config.gateway.decision_timeout_ms / 3000)
+                bound = await self.sessions.reported(f.key, budget)
+                self.metrics.of(self.metrics.response_waits, "unknown" if bound is None else "found").inc()
         req = Request(f, seq, bound, depth, shared)
         return Plan(snap, req, decide(policy, req, snap, limit), pool, confirmed=confirmed, matched=match)
 

@@ -45,6 +45,7 @@ failure window and one write-back list; apart, each would reach into the others'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Coroutine
@@ -64,6 +65,7 @@ T = TypeVar("T")
 LOCAL_FRESH_S = 2.0  # how long a binding read from Redis is trusted without asking again
 TTL_REFRESH_EVERY_S = 1.0
 REWAIT_S = 30.0  # after a claim found a binding a lone replica did not know: wait for claims again
+REPORT_POLL_S = 0.005  # a decision waiting for a reported binding asks Redis again this often
 
 
 class ClaimMode(Enum):
@@ -245,6 +247,16 @@ class SessionStore:
             else:
                 return None if found is None else reply_text(found)
         return None if entry is None else entry[0]
+
+    async def reported(self, key: str, budget_s: float) -> str | None:
+        """The binding of ``key``, waiting up to ``budget_s`` for a backend to report it (here, or to
+        another replica, which writes it to Redis): a Responses turn may follow the response it
+        continues within milliseconds, before that response's first-byte report has landed."""
+        deadline = time.monotonic() + budget_s
+        while (found := await self.peek(key)) is None and (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.local.changed().wait(), min(left, REPORT_POLL_S))
+        return found
 
     async def claim(self, key: str, node: str) -> tuple[str, bool]:
         """Bind ``key`` to ``node`` unless it is bound already; returns the binding in force and
