@@ -4,8 +4,9 @@ Tenant ``quiet`` sends a window of the conversation trace at trace speed; tenant
 another window of it at ``--flood`` times that rate, over the same time, each under its own API key
 (``Features.client_key``), so together they are far past what the backends serve and the gateway
 queue holds what waits. Side by side, same seed: the quiet tenant alone; both with the queue first
-come first served; both with the fair order (``queue.order: fair``, ``kvgate.tenants``). Reported per
-tenant: mean, p50 and p90 TTFT of the requests served, and how many the gateway refused (429).
+come first served; both with the fair order (``queue.order: fair``, ``kvgate.tenants``), without and
+with the backends it keeps clear for the tenant under its share (``queue.fair_reserve``). Reported
+per tenant: mean, p50 and p90 TTFT of the requests served, and how many the gateway refused (429).
 
     kvgate-bench fairness --duration 300 --flood 3
 """
@@ -44,16 +45,25 @@ def two_tenants(
 
 
 def run(
-    reqs: Sequence[BenchRequest], tenants: Sequence[str], order: str, backends: int, profile: str
+    reqs: Sequence[BenchRequest],
+    tenants: Sequence[str],
+    order: str,
+    backends: int,
+    profile: str,
+    reserve: int | None = None,
 ) -> dict[str, Any]:
+    """One replay; ``reserve``: ``queue.fair_reserve`` (None: the default)."""
     feats = [
         dataclasses.replace(f, client_key=t) for f, t in zip(virtual.features_for(reqs), tenants, strict=True)
     ]
-    queue = {"enabled": True, "order": order, "max_wait_ms": 600_000}
+    queue: dict[str, Any] = {"enabled": True, "order": order, "max_wait_ms": 600_000}
+    if reserve is not None:
+        queue["fair_reserve"] = reserve
     result = virtual.replay(
         reqs, feats, PolicyName.KVGATE, backends, get_profile(profile), extra={"queue": queue}
     )
-    out: dict[str, Any] = {"order": order, "rejected": result.rejected}
+    label = order if reserve is None else f"{order}, reserve {reserve}"
+    out: dict[str, Any] = {"order": label, "rejected": result.rejected}
     for tenant in sorted(set(tenants)):
         ttfts = sorted(r.ttft for r in result.results if tenants[r.rid] == tenant)
         sent = sum(1 for t in tenants if t == tenant)
@@ -86,8 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [
         {**run(alone_reqs, [QUIET] * len(alone_reqs), "fcfs", args.backends, args.profile), "order": "alone"}
     ]
-    for order in ("fcfs", "fair"):
-        rows.append(run(reqs, tenants, order, args.backends, args.profile))
+    rows.append(run(reqs, tenants, "fcfs", args.backends, args.profile))
+    rows.append(run(reqs, tenants, "fair", args.backends, args.profile, reserve=0))  # the order alone
+    rows.append(run(reqs, tenants, "fair", args.backends, args.profile))
     alone = rows[0][QUIET]
     lines = [
         "| run | quiet: served / sent | mean | p50 | p90 TTFT (x alone) | flood: served / sent | p90 "

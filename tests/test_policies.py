@@ -161,3 +161,22 @@ def test_a_holder_of_nearly_the_whole_prompt_gets_the_looser_bound() -> None:
     for tighter in (1.25, 1.0):  # a holder's bound is never tighter than everyone's
         tight = Snapshot(s.nodes, s.ring, LoadLimits(1.25, 8, 0.95, holder_load_factor=tighter))
         assert decide(PolicyName.KVGATE, whole, tight, 3).candidates[0] != "a"
+
+
+def test_a_tenant_past_its_share_needs_little_prefill_waiting_and_another_backend_clear() -> None:
+    """``room_past_share``: the node's prefill waiting under the budget, and ``reserve`` other nodes
+    with none; a lone node cannot keep one clear, so only the budget applies to it."""
+    limits = LoadLimits(1.25, 8, 0.95, 32_768)
+
+    def room(tokens: dict[str, int], node: str, reserve: int = 1) -> bool:
+        nodes = {n: NodeView(n, 1.0, load()) for n in tokens}
+        s = Snapshot(nodes, Ring({n: 1.0 for n in tokens}), limits, {}, tokens)
+        return s.room_past_share(node, 4_096, reserve)
+
+    assert room({"a": 0, "b": 0}, "a")
+    assert room({"a": 3_000, "b": 0}, "a")
+    assert not room({"a": 5_000, "b": 0}, "a")  # over the budget, far under saturation
+    assert not room({"a": 0, "b": 100}, "a")  # the other one is not clear
+    assert room({"a": 0, "b": 100}, "a", reserve=0)
+    assert room({"a": 0, "b": 100, "c": 0}, "a") and not room({"a": 0, "b": 100, "c": 0}, "a", reserve=2)
+    assert room({"a": 1_000}, "a") and not room({"a": 5_000}, "a")

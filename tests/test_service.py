@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvgate.features import extract
+from kvgate.features import Features, extract
 from kvgate.load import Scraped
 from kvgate.messages import Outcome
 from kvgate.policies import SessionAction
@@ -152,6 +152,41 @@ def test_with_the_fair_order_each_tenant_s_service_wait_and_depth_are_counted() 
         sc.service.report([Outcome.end("d1", backend, 200, True, 0.1, 0.2)])
 
     run(scenario())
+
+
+def test_a_tenant_past_its_share_leaves_a_backend_clear_for_the_others() -> None:
+    """Two tenants, one flooding: once the flood has had more than half the recent service, its
+    requests go only where another backend stays clear of prefill waiting to start (fair_reserve),
+    so that the quiet tenant's next request starts at once; the quiet tenant's go as usual. With
+    the reserve off, the flood's request takes the last clear backend."""
+    import dataclasses
+
+    from kvgate.service import Queued
+
+    from tests.cores import core
+
+    def flood(i: int) -> Features:
+        return dataclasses.replace(features(100 + i), client_key="flood")
+
+    async def scenario(reserve: int) -> tuple[bool, bool]:
+        sc = core(n=2, queue={"enabled": True, "order": "fair", "fair_reserve": reserve})
+        for i in range(3):
+            routed = await sc.service.decide(flood(i), f"f{i}")
+            assert not isinstance(routed, Queued)
+            sc.service.report([Outcome.first(f"f{i}", routed.candidates[0].id)])
+        quiet = await sc.service.decide(dataclasses.replace(features(1), client_key="quiet"), "q0")
+        assert not isinstance(quiet, Queued)
+        sc.service.report([Outcome.first("q0", quiet.candidates[0].id)])
+        # One backend has a prompt waiting for prefill, the other is clear.
+        sc.registry.ledger.start("earlier", "b0", 3_000, time.monotonic())
+        held = isinstance(await sc.service.decide(flood(9), "f9"), Queued)
+        quiet_held = isinstance(
+            await sc.service.decide(dataclasses.replace(features(2), client_key="quiet"), "q1"), Queued
+        )
+        return held, quiet_held
+
+    assert run(scenario(1)) == (True, False)
+    assert run(scenario(0)) == (False, False)
 
 
 def test_a_backend_that_serves_none_of_its_credited_prefix_is_counted_as_prefilling_it() -> None:

@@ -38,3 +38,17 @@ def test_the_depth_collector_counts_what_waits_now() -> None:
     waiting.clear()
     (family,) = DepthCollector(lambda: waiting).collect()
     assert family.samples == []
+
+
+def test_a_tenant_is_past_its_share_with_more_than_an_equal_part_of_the_recent_service() -> None:
+    ledger = TenantLedger(half_life_s=10.0)
+    ledger.served("flood", 3_000, now=0.0)
+    assert not ledger.over_share("flood", 0.0)  # alone: no one to share with
+    ledger.served("quiet", 1_000, now=0.0)
+    assert ledger.over_share("flood", 0.05) and not ledger.over_share("quiet", 0.05)
+    ledger.served("quiet", 4_000, now=1.0)  # the cached sums are 0.1 s old at most
+    assert ledger.over_share("quiet", 1.0) and not ledger.over_share("flood", 1.0)
+    tiny = TenantLedger(half_life_s=10.0)
+    tiny.served("big", 100_000, now=0.0)
+    tiny.served("speck", 10, now=0.0)  # under 1 % of the service: not competing
+    assert not tiny.over_share("big", 0.0)

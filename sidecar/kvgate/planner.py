@@ -25,8 +25,7 @@ from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
 from kvgate.slo import Judgement, Verdict, judge
 
-# A Responses turn whose previous response no replica knows yet waits this long for its report (sent
-# at the first byte: ms behind), at most a third of Nginx's budget for it (gateway.decision_timeout_ms).
+# A Responses turn waits this long for its previous response's report (sent at its first byte).
 RESPONSE_REPORT_WAIT_S = 0.02
 
 
@@ -134,7 +133,7 @@ class Planner:
             elif (known := self.sessions.cached(f.key)) is not None:
                 bound, confirmed = known
             elif f.key_source == "response":
-                # Only the backend storing the previous response can continue it (others: 404).
+                # Only the backend storing it can continue it (others: 404); within the decision budget.
                 budget = min(RESPONSE_REPORT_WAIT_S, self.config.gateway.decision_timeout_ms / 3000)
                 bound = await self.sessions.reported(f.key, budget)
                 self.metrics.of(self.metrics.response_waits, "unknown" if bound is None else "found").inc()
@@ -196,12 +195,14 @@ class Planner:
         self.metrics.pool_spills.labels(pool, other).inc()
         return other, snap
 
-    @staticmethod
-    def must_wait(plan: Plan) -> bool:
+    def must_wait(self, plan: Plan, past_share: bool = False) -> bool:
         """Whether the request waits at the gateway: its backend has no room now, and neither has
-        any other it could go to (a /v1/responses turn can only go to its own)."""
-        snap = plan.snap
-        if snap.has_room(plan.decision.candidates[0]):
+        any other it could go to (a /v1/responses turn can only go to its own); for a tenant
+        ``past_share``, unless its backend has ``Snapshot.room_past_share``."""
+        snap, first, q = plan.snap, plan.decision.candidates[0], self.config.queue
+        if past_share:
+            return not snap.room_past_share(first, q.fair_prefill_tokens, q.fair_reserve)
+        if snap.has_room(first):
             return False
         strict = plan.req.features.key_source == "response"
         return strict or not any(snap.has_room(n) for n in snap.nodes)
@@ -295,6 +296,5 @@ class Planner:
 
 
 def _backlog(snap: Snapshot) -> float:
-    """The least prefill backlog among the snapshot's backends: the tokens a request sent to the
-    least busy of them would wait behind (none: no backend to wait at)."""
+    """The tokens a request sent to the least busy backend would wait behind (none: inf)."""
     return min((snap.inflight_tokens.get(n, 0) for n in snap.nodes), default=float("inf"))

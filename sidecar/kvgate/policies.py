@@ -107,15 +107,27 @@ class Snapshot:
             return True
         return self.nodes[node].load.saturated(limits.saturation_waiting, limits.saturation_kv)
 
-    def has_room(self, node: str) -> bool:
+    def has_room(self, node: str, budget: int | None = None) -> bool:
         """Whether this replica may send ``node`` one more request now: not saturated (by every
         replica's load, as last shared), and this replica's own prefill tokens there within its split
         of the budget, so that replicas dispatching from their queues at once, between two shares,
-        cannot together pour more than one budget into a node that freed up."""
+        cannot together pour more than one budget into a node that freed up. ``budget``: a prefill
+        budget tighter than ``saturation_prefill_tokens`` (``room_past_share``)."""
         own = self.inflight_tokens if self.own_tokens is None else self.own_tokens
-        if own.get(node, 0) >= self.limits.saturation_prefill_tokens / max(1, self.replicas):
+        limit = self.limits.saturation_prefill_tokens if budget is None else budget
+        if own.get(node, 0) >= limit / max(1, self.replicas) or self.inflight_tokens.get(node, 0) >= limit:
             return False
         return not self.saturated(node)
+
+    def room_past_share(self, node: str, budget: int, reserve: int) -> bool:
+        """``has_room`` for a tenant past its share of the service (``queue.fair_*``): fewer than
+        ``budget`` prompt tokens waiting for prefill on ``node``, and ``reserve`` other backends
+        left with none, so that another tenant's next request finds one where it starts at once
+        (the engine finishes the prefills it runs before it starts a waiting one)."""
+        if not self.has_room(node, budget):
+            return False
+        clear = sum(1 for n in self.nodes if n != node and self.inflight_tokens.get(n, 0) == 0)
+        return clear >= min(reserve, len(self.nodes) - 1)
 
     def bound_admits(self, c: float | None = None) -> Callable[[str], bool]:
         """Bounded-load test: a node may take one more request while under c x its fair share

@@ -170,6 +170,13 @@ class GatewayQueue:
         tagged.sort(key=lambda t: t[:3])
         return [t[3] for t in tagged]
 
+    def past_share(self, f: Features) -> bool:
+        """Whether the request's tenant is past an equal share of the recent service, in the fair
+        order with a reserve (``fair_reserve``): it then leaves room for the others."""
+        if self.config.order is not DispatchOrder.FAIR or not self.config.fair_reserve:
+            return False
+        return self.tenants.over_share(tenant_of(f), self.clock())
+
     def served(self, tenant: str, tokens: int) -> None:
         """A request of ``tenant`` was routed (from the queue or not): its service grows."""
         self.tenants.served(tenant, tokens, self.clock())

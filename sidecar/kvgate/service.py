@@ -135,7 +135,7 @@ class DecisionService:
         if dry_run:
             return self.planner.routed(did, policy, plan, priority)
         plan, held = self._judge(did, f, plan, priority, 0.0)
-        if self.queue is not None and (held or self.planner.must_wait(plan)):
+        if self.queue is not None and (held or self.planner.must_wait(plan, self.queue.past_share(f))):
             live = asyncio.get_running_loop().create_future() if self._wake is not None else None
             waiting = Waiting(did, f, policy, priority, self.queue.clock(), f.est_tokens, future=live)
             try:
@@ -258,7 +258,7 @@ class DecisionService:
                     out.append((w, shed))
                     continue
             # No room, or nothing makes its objective now: the ones after it in its model wait too.
-            if held or (plan.decision.candidates and self.planner.must_wait(plan)):
+            if held or (plan.decision.candidates and self.planner.must_wait(plan, queue.past_share(f))):
                 if not strict:
                     blocked.add(f.model)
                 continue

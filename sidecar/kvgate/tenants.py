@@ -9,6 +9,13 @@ queue, plus its own; the smallest tag goes first. A tenant that floods gets its 
 one that sends little is served almost as soon as it asks (least attained service, in tokens, as a
 virtual token counter does it).
 
+The order alone is not enough: once the gateway has sent a quiet tenant's request first, it still
+waits inside the backend behind the flood's prefills already admitted there (an engine finishes the
+prefills it runs before starting a waiting one). So while a tenant is past an equal share of the
+recent service (``over_share``), its requests go only where they leave room for the others
+(``policies.Snapshot.room_past_share``: little prefill waiting there, and ``queue.fair_reserve``
+backends clear of any).
+
 Bounded: a tenant whose decayed service falls under one token is forgotten when the next one is
 counted, so the map holds about the tenants of the last few windows.
 """
@@ -28,6 +35,8 @@ from kvgate.features import Features
 ANONYMOUS = "anonymous"  # the metric label of tenants that are addresses, not keys
 FORGET_BELOW = 1.0  # tokens of decayed service under which a tenant is dropped
 SWEEP_EVERY = 1024  # counts between two sweeps of forgotten tenants
+SHARE_EVERY_S = 0.1  # the total service and the active tenants are summed again this often
+ACTIVE_SHARE = 0.01  # a tenant with less of the recent service does not count as competing
 
 
 def tenant_of(f: Features) -> str:
@@ -52,6 +61,7 @@ class TenantLedger:
         self.half_life_s = half_life_s
         self._service: dict[str, _Service] = {}
         self._counted = 0
+        self._shares: tuple[float, float, int] | None = None  # (when, total service, active tenants)
 
     def __len__(self) -> int:
         return len(self._service)
@@ -61,6 +71,19 @@ class TenantLedger:
         if s is None:
             return 0.0
         return s.tokens * math.exp2(-(now - s.at) / self.half_life_s)
+
+    def over_share(self, tenant: str, now: float) -> bool:
+        """Whether ``tenant`` had more than an equal share of the recent service, among the tenants
+        that had at least 1 % of it (when there are two or more)."""
+        if len(self._service) < 2:
+            return False
+        if self._shares is None or now - self._shares[0] >= SHARE_EVERY_S:
+            total = sum(self.attained(t, now) for t in self._service)
+            active = sum(1 for t in self._service if self.attained(t, now) >= ACTIVE_SHARE * total)
+            self._shares = (now, total, active)
+        at, total, active = self._shares
+        decay = math.exp2(-(now - at) / self.half_life_s)  # the sum decays as each term does
+        return active > 1 and self.attained(tenant, now) > decay * total / active
 
     def served(self, tenant: str, tokens: float, now: float) -> None:
         """``tenant`` had a request routed with ``tokens`` estimated prompt tokens."""
