@@ -288,7 +288,7 @@ def replay(
             k = gw.pick()
             snap = gw.replicas[k].registry.snapshot(f.model)
             lim = snap.limits
-            # Before this decision counts itself (a prefix decision: against the holder bound).
+            # Before this decision counts itself (a prefix or ttft decision: against the holder bound).
             admits, holds = (
                 snap.bound_admits(),
                 snap.bound_admits(max(lim.load_factor, lim.holder_load_factor)),
@@ -306,7 +306,7 @@ def replay(
                 waiting[(k, answer.decision_id)] = (r, t)
                 continue
             primary = answer.candidates[0].id
-            allowed = under_holder if answer.decision.reason is Reason.PREFIX else under
+            allowed = under_holder if answer.decision.reason in (Reason.PREFIX, Reason.TTFT) else under
             if answer.decision.session is not SessionAction.KEEP and under and primary not in allowed:
                 run.bound_violations += 1
             send(r, answer, t, t, k)

@@ -17,6 +17,6 @@ def test_the_fair_order_shields_the_quiet_tenant_from_the_flood() -> None:
     kept = run(reqs, tenants, "fair", 4, "llama3-8b-h100")  # one backend kept clear (the default)
     assert fcfs[QUIET]["served"] == fair[QUIET]["served"] == kept[QUIET]["served"] == tenants.count(QUIET)
     assert fair[QUIET]["p90"] < fcfs[QUIET]["p90"] / 3, (fair[QUIET], fcfs[QUIET])
-    assert kept[QUIET]["p90"] < fair[QUIET]["p90"] / 2, (kept[QUIET], fair[QUIET])
+    assert kept[QUIET]["p90"] < 0.75 * fair[QUIET]["p90"], (kept[QUIET], fair[QUIET])
     for row in (fair, kept):
         assert row[FLOOD]["p90"] > row[QUIET]["p90"]  # the flood pays for its own excess

@@ -189,6 +189,44 @@ def test_a_tenant_past_its_share_leaves_a_backend_clear_for_the_others() -> None
     assert run(scenario(0)) == (False, False)
 
 
+def test_a_request_goes_where_its_first_byte_is_expected_first_unless_its_session_is_bound() -> None:
+    """The policy's pick holds the prompt, but its backend has proved much slower to prefill (a
+    smaller GPU, say) with as much queued as the other: the other one is expected to give the first
+    byte much sooner even prefilling the whole prompt, so the request goes there (route ``ttft``).
+    A bound session stays; with ``ttft_margin`` 1 the pick stands."""
+    import dataclasses
+
+    from kvgate.policies import Reason
+
+    from tests.cores import core
+
+    def turn(n: int, session: str | None) -> Features:
+        f = features(7, n, session=session)  # without a session: no key, the prefix index decides
+        return f if session else dataclasses.replace(f, key=None, key_source="none")
+
+    async def scenario(margin: float, session: str | None) -> tuple[str, Reason]:
+        sc = core(n=2, routing={"ttft_margin": margin})
+        first = await sc.service.route(turn(1, session), "d0")
+        home = first.candidates[0].id
+        other = next(b for b in ("b0", "b1") if b != home)
+        sc.service.report([Outcome.end("d0", home, 200, True, 0.1, 0.2)])
+        for work in (1_000, 2_000, 4_000, 8_000, 16_000):
+            sc.service.first_byte.learn(home, work, 0.02 + work / 2_000)
+            sc.service.first_byte.learn(other, work, 0.02 + work / 50_000)
+        for did, b in (("q0", home), ("q1", other)):
+            sc.registry.ledger.start(did, b, 2_000, time.monotonic())
+        again = await sc.service.route(turn(2, session), "d1")
+        for did, b in (("d1", again.candidates[0].id), ("q0", home), ("q1", other)):
+            sc.service.report([Outcome.end(did, b, 200, True, 0.1, 0.2)])
+        assert sum(sc.registry.ledger.counts.values()) == 0
+        moved = "moved" if again.candidates[0].id != home else "stayed"
+        return moved, again.decision.reason
+
+    assert run(scenario(0.2, None)) == ("moved", Reason.TTFT)
+    assert run(scenario(1.0, None)) == ("stayed", Reason.PREFIX)
+    assert run(scenario(0.2, "bound")) == ("stayed", Reason.SESSION)
+
+
 def test_a_backend_that_serves_none_of_its_credited_prefix_is_counted_as_prefilling_it() -> None:
     """The index credits the backend with the prompt it was sent before; its scrapes say its cache
     served none of it (evicted, say): the prefill this gateway counts there (the in-flight ledger

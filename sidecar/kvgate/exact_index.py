@@ -30,7 +30,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvgate.features import CHUNK_BYTES, Features
 from kvgate.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvgate.kv_hashes import lazy_chain
 
 
 class View(enum.Enum):
@@ -189,3 +191,26 @@ class ExactIndex:
     def size(self, backend: str) -> int:
         b = self._b.get(backend)
         return sum(len(r) for r in b.ranks.values()) if b is not None else 0
+
+    def prefix_depths(
+        self, f: Features, tokens: tuple[int, ...], nodes: list[str], approx: dict[str, int], shared: int
+    ) -> tuple[dict[str, int], int]:
+        """Each backend's held prefix from its KV events, in the approximate index's unit (chunks of
+        the prompt's bytes, so the policy weighs both alike). A backend whose view is partial gets the
+        deeper of the two views; one with no view, or a stale one, keeps the approximate depth
+        (``approx``). When every backend has a full view, the part every one of them holds is the
+        shared part."""
+        by_size: dict[int, list[str]] = {}  # the backends with a view, by their block size
+        views = {n: self.view(n) for n in nodes}
+        for n, view in views.items():
+            if view in (View.FULL, View.PARTIAL):
+                by_size.setdefault(self.block_size(n), []).append(n)
+        depth = dict(approx)
+        for size, same in by_size.items():
+            held = self.depths(same, lazy_chain(tokens, size, (len(tokens) - 1) // size))
+            for n, blocks in held.items():
+                chunks = int(blocks * size * f.bytes_per_token / CHUNK_BYTES)
+                depth[n] = chunks if views[n] is View.FULL else max(chunks, approx.get(n, 0))
+        if all(v is View.FULL for v in views.values()):
+            shared = min(depth.get(n, 0) for n in nodes)
+        return depth, shared

@@ -12,10 +12,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvgate.config import Config, Objective, PolicyName
-from kvgate.exact_index import ExactIndex, View
-from kvgate.features import CHUNK_BYTES, Features
+from kvgate.exact_index import ExactIndex
+from kvgate.expected import expected, fastest
+from kvgate.features import Features
 from kvgate.first_byte import FirstByteBudget
-from kvgate.kv_hashes import lazy_chain
 from kvgate.messages import Candidate
 from kvgate.metrics import SidecarMetrics
 from kvgate.policies import Decision, Reason, Request, SessionAction, Snapshot, decide, uncached_tokens
@@ -110,7 +110,7 @@ class Planner:
             rule = pools.pick(f.model, f.est_tokens)
             if rule is not None:
                 pool, snap = self._pool_snapshot(f.model, rule.pool, f.est_tokens)
-        return await self._plan_in(f, policy, seq, dry_run, snap, pool)
+        return self._placed(await self._plan_in(f, policy, seq, dry_run, snap, pool), policy)
 
     async def _plan_in(
         self, f: Features, policy: PolicyName, seq: int, dry_run: bool, snap: Snapshot, pool: str | None
@@ -124,7 +124,7 @@ class Planner:
             match = self.index.match(f.hashes, snap.nodes)
             depth, shared = match.depth, match.shared
         if uses_index and f.token_ids and self.exact is not None and snap.nodes:
-            depth, shared = self._exact_depths(self.exact, f, f.token_ids, snap, depth, shared)
+            depth, shared = self.exact.prefix_depths(f, f.token_ids, list(snap.nodes), depth, shared)
         keyed = policy is PolicyName.KVGATE and f.key is not None and bool(snap.nodes)
         bound, confirmed = None, True
         if keyed and f.key:
@@ -139,35 +139,6 @@ class Planner:
                 self.metrics.of(self.metrics.response_waits, "unknown" if bound is None else "found").inc()
         req = Request(f, seq, bound, depth, shared)
         return Plan(snap, req, decide(policy, req, snap, limit), pool, confirmed=confirmed, matched=match)
-
-    @staticmethod
-    def _exact_depths(
-        exact: ExactIndex,
-        f: Features,
-        tokens: tuple[int, ...],
-        snap: Snapshot,
-        approx: dict[str, int],
-        shared: int,
-    ) -> tuple[dict[str, int], int]:
-        """Each backend's held prefix from its KV events, in the approximate index's unit (chunks of
-        the prompt's bytes, so the policy weighs both alike). A backend whose view is partial gets the
-        deeper of the two views; one with no view, or a stale one, keeps the approximate depth.
-        When every backend has a full view, the part every one of them holds is the shared part."""
-        by_size: dict[int, list[str]] = {}  # the backends with a view, by their block size
-        views = {n: exact.view(n) for n in snap.nodes}
-        for n, view in views.items():
-            if view in (View.FULL, View.PARTIAL):
-                by_size.setdefault(exact.block_size(n), []).append(n)
-        depth = dict(approx)
-        all_full = all(v is View.FULL for v in views.values())
-        for size, nodes in by_size.items():
-            held = exact.depths(nodes, lazy_chain(tokens, size, (len(tokens) - 1) // size))
-            for n, blocks in held.items():
-                chunks = int(blocks * size * f.bytes_per_token / CHUNK_BYTES)
-                depth[n] = chunks if views[n] is View.FULL else max(chunks, approx.get(n, 0))
-        if all_full:
-            shared = min(depth.get(n, 0) for n in snap.nodes)
-        return depth, shared
 
     def _pool_snapshot(self, model: str | None, pool: str, tokens: int) -> tuple[str, Snapshot]:
         """The pool's backends, or another's in its spill order: the first that has room when the
@@ -222,27 +193,49 @@ class Planner:
         if len(r) > len(self.registry.backends):
             r.forget(self.registry.backends)
 
+    def _expected(self, plan: Plan) -> dict[str, tuple[float, float]]:
+        """Each backend's expected seconds to the plan's first byte, now and idle (``kvgate.expected``)."""
+        f, depth = plan.req.features, plan.req.prefix_depth
+
+        def own(n: str) -> int:
+            return self.uncached(f, depth.get(n, 0), n)
+
+        return expected(plan.snap.nodes, self.registry.ledger.tokens, own, self.first_byte.predict)
+
+    @staticmethod
+    def _movable(plan: Plan) -> bool:
+        """A session staying where it is bound, a Responses turn and a disaggregated request stay put."""
+        d = plan.decision
+        return (
+            bool(d.candidates)
+            and not plan.decode
+            and d.session is not SessionAction.KEEP
+            and (plan.req.features.key_source != "response")
+        )
+
+    def _placed(self, plan: Plan, policy: PolicyName) -> Plan:
+        """The kvgate policy's plan, its pick given way to the backend expected first (``ttft_margin``)
+        among those not saturated and within the holders' bound (``holder_load_factor``: the
+        expectation already counts the prefill queued there; the bound still stops a hot spot)."""
+        margin, snap = self.config.routing.ttft_margin, plan.snap
+        if margin >= 1.0 or policy is not PolicyName.KVGATE or not self._movable(plan):
+            return plan
+        lim, first = snap.limits, plan.decision.candidates[0]
+        admits = snap.bound_admits(max(lim.load_factor, lim.holder_load_factor))
+        figures = self._expected(plan).items()
+        now = {n: e[0] for n, e in figures if n == first or (admits(n) and not snap.saturated(n))}
+        return dataclasses.replace(plan, decision=fastest(plan.decision, now, margin))
+
     def against(
         self, plan: Plan, objective: Objective, waited: float, sheddable: bool, can_wait: bool
     ) -> tuple[Plan, Judgement]:
         """The plan judged against the request's TTFT objective (``kvgate.slo``), from each backend's
-        expected seconds to the first byte now (the prefill queued there and the prompt's own part)
-        and idle (the prompt's own part). Moved: the plan with the backend that meets it first. A
-        session staying where it is bound, a Responses turn and a disaggregated request stay put."""
-        f, depth, decision = plan.req.features, plan.req.prefix_depth, plan.decision
-        queued = self.registry.ledger.tokens
-        predictions: dict[str, tuple[float, float]] = {}
-        for n in plan.snap.nodes:
-            own = self.uncached(f, depth.get(n, 0), n)
-            now = self.first_byte.predict(n, queued.get(n, 0) + own)
-            idle = self.first_byte.predict(n, own)
-            if now is not None and idle is not None:
-                predictions[n] = (now, idle)
-        movable = (
-            not plan.decode and decision.session is not SessionAction.KEEP and f.key_source != "response"
-        )
+        expected seconds to the first byte now and idle. Moved: the plan with the backend that meets
+        it first (``_movable`` plans only)."""
+        decision, predictions = plan.decision, self._expected(plan)
         assert objective.ttft_s is not None
-        j = judge(objective.ttft_s, waited, predictions, decision.candidates[0], sheddable, can_wait, movable)
+        args = (predictions, decision.candidates[0], sheddable, can_wait, self._movable(plan))
+        j = judge(objective.ttft_s, waited, *args)
         if j.verdict is Verdict.MOVED and j.backend is not None:
             rest = tuple(c for c in decision.candidates if c != j.backend)
             candidates = (j.backend, *rest)[: len(decision.candidates)]

@@ -48,6 +48,7 @@ class Reason(str, Enum):
     RANDOM = "random"
     LEAST_LOAD = "least_load"
     SLO = "slo"  # the planned backend would break the request's TTFT objective (kvgate.slo)
+    TTFT = "ttft"  # another backend is expected to give the first byte sooner (kvgate.expected)
     NO_BACKEND = "no_backend"
 
 

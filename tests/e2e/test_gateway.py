@@ -20,7 +20,7 @@ from tests.conftest import MODEL, http_json, wait_until
 from tests.helpers import Gateway, chat, inflight, start_backends
 
 pytestmark = pytest.mark.e2e
-ROUTES = {"session", "prefix", "ring", "load", "fail-open"}  # X-Kvgate-Route under the kvgate policy
+ROUTES = {"session", "prefix", "ring", "load", "ttft", "fail-open"}  # X-Kvgate-Route under the kvgate policy
 
 
 class Env:
