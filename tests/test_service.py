@@ -180,6 +180,10 @@ def test_a_tenant_past_its_share_leaves_a_backend_clear_for_the_others() -> None
         # One backend has a prompt waiting for prefill, the other is clear.
         sc.registry.ledger.start("earlier", "b0", 3_000, time.monotonic())
         held = isinstance(await sc.service.decide(flood(9), "f9"), Queued)
+        counted = sc.metrics.registry.get_sample_value(
+            "kvgate_tenant_past_share_queued_total", {"tenant": "flood"}
+        )
+        assert counted == (1.0 if held else None)
         quiet_held = isinstance(
             await sc.service.decide(dataclasses.replace(features(2), client_key="quiet"), "q1"), Queued
         )

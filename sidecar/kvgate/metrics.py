@@ -170,6 +170,13 @@ class SidecarMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.tenant_past_share = Counter(
+            "kvgate_tenant_past_share_queued",
+            "Requests queued while their tenant was past an equal share of the recent service, so that "
+            "backends stay clear for the others (queue.fair_reserve).",
+            ["tenant"],
+            registry=r,
+        )
         self.pd_colocated = Counter(
             "kvgate_pd_colocated",
             "Requests for a disaggregated model served co-located: no prefill or no decode backend.",

@@ -135,7 +135,10 @@ class DecisionService:
         if dry_run:
             return self.planner.routed(did, policy, plan, priority)
         plan, held = self._judge(did, f, plan, priority, 0.0)
-        if self.queue is not None and (held or self.planner.must_wait(plan, self.queue.past_share(f))):
+        past = self.queue is not None and self.queue.past_share(f)
+        if self.queue is not None and (held or self.planner.must_wait(plan, past)):
+            if past:
+                self.metrics.of(self.metrics.tenant_past_share, label_of(tenant_of(f))).inc()
             live = asyncio.get_running_loop().create_future() if self._wake is not None else None
             waiting = Waiting(did, f, policy, priority, self.queue.clock(), f.est_tokens, future=live)
             try:
