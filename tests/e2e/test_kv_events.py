@@ -73,6 +73,13 @@ def test_a_prompt_a_backend_holds_is_routed_there_though_no_decision_put_it_ther
         raw.parse()
         assert raw.headers["X-Kvgate-Backend"] == bid, raw.headers["X-Kvgate-Route"]
     # A stream: the gateway asks the backend for its usage (to read the cached tokens) and strips it.
+    # First the sidecar must have seen the last answers end (their reports and a scrape): a holder
+    # still counted busy is over its load bound with so little traffic and is passed over (route
+    # "load"), which is not what this tests.
+    idle = lambda: all(  # noqa: E731
+        b["inflight"] == 0 and b["load"]["requests"] == 0 for b in gw.sidecar.backends().values()
+    )
+    wait_until(idle, timeout=10)
     context = contexts["sim-1"]
     stream = client.chat.completions.create(
         model=MODEL,
