@@ -46,7 +46,12 @@ def fastest(decision: Decision, now: Mapping[str, float], margin: float) -> Deci
     best = min(now, key=now.__getitem__)
     if best == first or now[best] > (1.0 - margin) * now[first]:
         return decision
-    rest = tuple(c for c in decision.candidates if c != best)
+    return to_front(decision, best, Reason.TTFT)
+
+
+def to_front(decision: Decision, backend: str, reason: Reason) -> Decision:
+    """``decision`` with ``backend`` tried first, for ``reason``: as many candidates as before."""
+    rest = tuple(c for c in decision.candidates if c != backend)
     return dataclasses.replace(
-        decision, candidates=(best, *rest)[: len(decision.candidates)], reason=Reason.TTFT
+        decision, candidates=(backend, *rest)[: len(decision.candidates)], reason=reason
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvgate.config import Config, Objective, PolicyName
 from kvgate.exact_index import ExactIndex
-from kvgate.expected import expected, fastest
+from kvgate.expected import expected, fastest, to_front
 from kvgate.features import Features
 from kvgate.first_byte import FirstByteBudget
 from kvgate.messages import Candidate
@@ -232,15 +232,11 @@ class Planner:
         """The plan judged against the request's TTFT objective (``kvgate.slo``), from each backend's
         expected seconds to the first byte now and idle. Moved: the plan with the backend that meets
         it first (``_movable`` plans only)."""
-        decision, predictions = plan.decision, self._expected(plan)
         assert objective.ttft_s is not None
-        args = (predictions, decision.candidates[0], sheddable, can_wait, self._movable(plan))
-        j = judge(objective.ttft_s, waited, *args)
+        first, movable = plan.decision.candidates[0], self._movable(plan)
+        j = judge(objective.ttft_s, waited, self._expected(plan), first, sheddable, can_wait, movable)
         if j.verdict is Verdict.MOVED and j.backend is not None:
-            rest = tuple(c for c in decision.candidates if c != j.backend)
-            candidates = (j.backend, *rest)[: len(decision.candidates)]
-            moved = dataclasses.replace(decision, candidates=candidates, reason=Reason.SLO)
-            plan = dataclasses.replace(plan, decision=moved)
+            plan = dataclasses.replace(plan, decision=to_front(plan.decision, j.backend, Reason.SLO))
         return plan, j
 
     def routed(
