@@ -15,7 +15,7 @@ from kvgate.tools.launcher import Supervisor
 from kvgate.tools.readiness import free_port, free_ports
 
 from tests.conftest import MODEL, http_json, wait_until
-from tests.helpers import Gateway, start_backends
+from tests.helpers import Gateway, inflight, start_backends
 
 pytestmark = pytest.mark.e2e
 N = 3
@@ -76,10 +76,8 @@ def test_a_prompt_a_backend_holds_is_routed_there_though_no_decision_put_it_ther
     # First the sidecar must have seen the last answers end (their reports and a scrape): a holder
     # still counted busy is over its load bound with so little traffic and is passed over (route
     # "load"), which is not what this tests.
-    idle = lambda: all(  # noqa: E731
-        b["inflight"] == 0 and b["load"]["requests"] == 0 for b in gw.sidecar.backends().values()
-    )
-    wait_until(idle, timeout=10)
+    scraped_idle = lambda: all(b["load"]["requests"] == 0 for b in gw.sidecar.backends().values())  # noqa: E731
+    wait_until(lambda: inflight(gw)[0] == 0 and scraped_idle(), timeout=10)
     context = contexts["sim-1"]
     stream = client.chat.completions.create(
         model=MODEL,
