@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 from kvgate.config import PolicyName
+from kvgate.expected import to_front
 from kvgate.features import Features
 from kvgate.kv_events import BlockStored, EventBatch
 from kvgate.kv_hashes import chain
 from kvgate.planner import Plan
+from kvgate.policies import Reason
 from kvgate.sidecar import Sidecar
 
 from tests.cores import MODEL, core, idle
@@ -53,6 +57,26 @@ def test_a_request_waits_only_when_no_backend_it_may_use_has_room() -> None:
     idle(sc, "b1", waiting=50)
     full = plan(sc, feats(4_000), PolicyName.CONSISTENT_HASH)
     assert sc.service.planner.must_wait(full)
+
+
+def test_a_long_prompt_goes_where_no_prefill_waits_and_waits_when_none_is_clear() -> None:
+    """Beside a short prompt waiting for prefill, a long one would take the engine's step with it
+    (the short one answered only when the long one's chunk is done): the long one goes to a backend
+    with nothing waiting, and when every backend has something waiting it waits at the gateway; a
+    short one that fits beside goes."""
+    sc = core(n=2)  # a prefill budget of 1,000 tokens
+    pick = plan(sc, feats(40_000)).decision.candidates[0]  # 10,000 estimated tokens
+    other = "b1" if pick == "b0" else "b0"
+    sc.registry.ledger.start("short", pick, 300, time.monotonic())
+    # Whatever made the policy pick it (a prefix, a bound elsewhere), placement sees the prefill.
+    p = plan(sc, feats(40_000))
+    picked = dataclasses.replace(p, decision=to_front(p.decision, pick, Reason.RING))
+    moved = sc.service.planner._placed(picked, PolicyName.KVGATE)
+    assert (moved.decision.candidates[0], moved.decision.reason) == (other, Reason.TTFT)
+    assert not sc.service.planner.must_wait(moved)
+    sc.registry.ledger.start("short2", other, 300, time.monotonic())
+    assert sc.service.planner.must_wait(plan(sc, feats(40_000)))
+    assert not sc.service.planner.must_wait(plan(sc, feats(2_000)))  # 500 tokens fit beside 300
 
 
 def test_disaggregated_the_candidates_are_decoders_and_the_prefill_leg_rides_along() -> None:

@@ -147,6 +147,16 @@ def test_gateway_replicas_split_a_backends_prefill_budget_for_dispatch() -> None
     assert not waiting.has_room("a")  # a backend queueing requests has no room, whatever the tokens
 
 
+def test_a_prompt_fits_a_backend_alone_or_within_the_prefill_budget_beside_what_waits_there() -> None:
+    """An engine packs the prefills waiting for it into one step and answers none of them before
+    the step ends: beside prefill already waiting, a request has room only within the budget."""
+    nodes = {"a": NodeView("a", 1.0, load()), "b": NodeView("b", 1.0, load())}
+    limits = LoadLimits(1.25, 8, 0.95, 1000)
+    s = Snapshot(nodes, Ring({"a": 1.0, "b": 1.0}), limits, {"a": 1}, {"a": 600})
+    assert s.fits("a", 400) and not s.fits("a", 401)  # 600 waiting there: the budget is 1,000
+    assert s.fits("b", 30_000)  # nothing waiting: a prompt of any length has the step to itself
+
+
 def test_a_holder_of_nearly_the_whole_prompt_gets_the_looser_bound() -> None:
     """Above load_factor's bound but within holder_load_factor's, a node holding all of a prompt keeps
     it (a second copy elsewhere would cost its whole prefill and evict other work); one holding only

@@ -4,11 +4,15 @@ It gathers what the policy needs (the snapshot of the request's pool, or the poo
 the prefill and decode sides of a disaggregated model; the prefix index's match; the session binding
 this sidecar holds) and calls the pure policy (``kvgate.policies``). It writes nothing: the in-flight
 count, the binding and the index change only when the decision is committed (``kvgate.service``).
+
+Over 300 lines: one plan passes pools, disaggregation, the session and both indexes, then the
+placement in seconds and the objective; each step is short and reads the same ``Plan``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from kvgate.config import Config, Objective, PolicyName
@@ -173,10 +177,15 @@ class Planner:
         snap, first, q = plan.snap, plan.decision.candidates[0], self.config.queue
         if past_share:
             return not snap.room_past_share(first, q.fair_prefill_tokens, q.fair_reserve)
-        if snap.has_room(first):
+        if self._fits(plan, first):
             return False
         strict = plan.req.features.key_source == "response"
-        return strict or not any(snap.has_room(n) for n in snap.nodes)
+        return strict or not any(self._fits(plan, n) for n in snap.nodes)
+
+    def _fits(self, plan: Plan, bid: str) -> bool:
+        """``Snapshot.fits`` for the plan's request, with what it would prefill on ``bid``."""
+        f, depth = plan.req.features, plan.req.prefix_depth
+        return plan.snap.fits(bid, self.uncached(f, depth.get(bid, 0), bid))
 
     def uncached(self, f: Features, depth_chunks: int, bid: str) -> int:
         """Prompt tokens ``bid`` will likely prefill for this request (``kvgate.realized``)."""
@@ -216,14 +225,22 @@ class Planner:
     def _placed(self, plan: Plan, policy: PolicyName) -> Plan:
         """The kvgate policy's plan, its pick given way to the backend expected first (``ttft_margin``)
         among those not saturated and within the holders' bound (``holder_load_factor``: the
-        expectation already counts the prefill queued there; the bound still stops a hot spot)."""
+        expectation already counts the prefill queued there; the bound still stops a hot spot).
+        A pick without room for the request (``Snapshot.fits``) gives way to the backend expected
+        first among those with room, when one has: sent there, the request would share a step
+        with the prefill already waiting, or wait behind it."""
         margin, snap = self.config.routing.ttft_margin, plan.snap
         if margin >= 1.0 or policy is not PolicyName.KVGATE or not self._movable(plan):
             return plan
         lim, first = snap.limits, plan.decision.candidates[0]
+        figures = self._expected(plan)
+        if not self._fits(plan, first):
+            roomy = [n for n in snap.nodes if self._fits(plan, n)]
+            if roomy:
+                best = min(roomy, key=lambda n: figures.get(n, (math.inf,))[0])  # unknown: last
+                return dataclasses.replace(plan, decision=to_front(plan.decision, best, Reason.TTFT))
         admits = snap.bound_admits(max(lim.load_factor, lim.holder_load_factor))
-        figures = self._expected(plan).items()
-        now = {n: e[0] for n, e in figures if n == first or (admits(n) and not snap.saturated(n))}
+        now = {n: e[0] for n, e in figures.items() if n == first or (admits(n) and not snap.saturated(n))}
         return dataclasses.replace(plan, decision=fastest(plan.decision, now, margin))
 
     def against(

@@ -120,6 +120,15 @@ class Snapshot:
             return False
         return not self.saturated(node)
 
+    def fits(self, node: str, tokens: int) -> bool:
+        """``has_room`` for a request of ``tokens`` to prefill: nothing else awaiting prefill on
+        ``node``, or that and these within the prefill budget. An engine packs its waiting prefills
+        into one step of its token budget and answers none of them before the step ends, so a short
+        prompt sent with a long one waits for the long one's chunk."""
+        ahead = self.inflight_tokens.get(node, 0)
+        limit = self.limits.saturation_prefill_tokens
+        return self.has_room(node) and (ahead == 0 or ahead + tokens <= limit)
+
     def room_past_share(self, node: str, budget: int, reserve: int) -> bool:
         """``has_room`` for a tenant past its share of the service (``queue.fair_*``): fewer than
         ``budget`` prompt tokens waiting for prefill on ``node``, and ``reserve`` other backends
