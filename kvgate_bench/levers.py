@@ -101,6 +101,16 @@ LEVERS = {
             )
             for tokens in (1024, 2048, 4096, 16384)
         ),
+        # A burst's long prompts wait this long so that its short ones go first (queue.gather_ms).
+        *(
+            Lever(
+                f"+queue-gather-{ms}ms",
+                PolicyName.KVGATE,
+                {"queue": {**RECOMMENDED["queue"], "gather_ms": ms}},
+                RECOMMENDED["routing"],
+            )
+            for ms in (1, 5, 20)
+        ),
         Lever("+pools", PolicyName.KVGATE, NO_LEARN, pools=True),
         *(
             Lever(f"+pools-backlog-{r:g}", PolicyName.KVGATE, NO_LEARN, pools=True, backlog_ratio=r)

@@ -304,6 +304,8 @@ def replay(
                 continue
             if isinstance(answer, Queued):
                 waiting[(k, answer.decision_id)] = (r, t)
+                if answer.waiting.ready > t:  # gathering (queue.gather_ms): the queue looks again then
+                    heapq.heappush(events, (answer.waiting.ready, 0, next(seq), "gathered", None))
                 continue
             primary = answer.candidates[0].id
             allowed = under_holder if answer.decision.reason in (Reason.PREFIX, Reason.TTFT) else under
@@ -349,6 +351,8 @@ def replay(
             heapq.heappush(events, (result.end, 3, next(seq), "step", i))
         elif kind == "report":
             gw.report(*payload)
+            release(t)
+        elif kind == "gathered":
             release(t)
         elif kind == "share":
             gw.share(payload, t)

@@ -260,3 +260,42 @@ def test_a_backend_that_serves_none_of_its_credited_prefix_is_counted_as_prefill
         sc.service.report([Outcome.end("d14", b, 200, True, 0.01, 0.02)])
 
     run(scenario())
+
+
+def test_a_long_prompt_waits_its_gather_time_so_a_short_one_arriving_with_it_goes_first() -> None:
+    """``queue.gather_ms``: a prompt too long to share a step waits that long before it is placed,
+    so the short one of the same burst is answered first; the dispatcher looks again when the wait
+    is over (not at its next tick). With 0 the long one is placed at once."""
+    from kvgate.service import Queued
+
+    from tests.cores import core
+
+    def prompt(n_bytes: int) -> Features:
+        return Features(MODEL, None, "none", (f"p{n_bytes}",), n_bytes)
+
+    async def scenario(gather_ms: int) -> list[str]:
+        sc = core(n=1, queue={"enabled": True, "order": "shortest", "gather_ms": gather_ms})
+        loop = asyncio.create_task(sc.service.dispatch_loop(tick_s=30.0))
+        await asyncio.sleep(0)  # the loop is listening
+        started = time.monotonic()
+        asked = {
+            "long": await sc.service.decide(prompt(40_000), "long"),  # 10,000 tokens: over the budget
+            "short": await sc.service.decide(prompt(800), "short"),
+        }
+        order = [name for name, answer in asked.items() if not isinstance(answer, Queued)]
+        assert len(order) == 1  # the other does not fit beside it: it waits for its first byte
+        sc.service.report([Outcome.first(order[0], "b0")])
+        later = next(a for a in asked.values() if isinstance(a, Queued))
+        assert isinstance(later, Queued) and later.waiting.future is not None
+        await asyncio.wait_for(later.waiting.future, 2.0)  # dispatched well before the next tick
+        order.append(later.decision_id)
+        if gather_ms:
+            assert time.monotonic() - started >= gather_ms / 1000
+        for did in ("long", "short"):
+            sc.service.report([Outcome.end(did, "b0", 200, True, 0.1, 0.2)])
+        loop.cancel()
+        assert sum(sc.registry.ledger.counts.values()) == 0 and len(sc.service.queue or ()) == 0
+        return order
+
+    assert run(scenario(50)) == ["short", "long"]
+    assert run(scenario(0)) == ["long", "short"]

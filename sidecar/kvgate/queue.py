@@ -59,6 +59,7 @@ class Waiting:
     arrived: float
     tokens: int  # estimated prompt tokens, the shortest-first key
     fair_s: float = math.inf  # the wait FCFS would have given it (set when it joins the queue)
+    ready: float = 0.0  # not dispatched before this (queue.gather_ms: a long prompt lets a burst by)
     # Live: the request's answer (a Routed, or QueueTimeout); None in virtual time.
     future: asyncio.Future[object] | None = field(default=None, repr=False)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from kvgate.admission import MAX_ADMITTED, Admission, RateLimited
 from kvgate.affinity import Affinity
-from kvgate.config import Config, PolicyName
+from kvgate.config import Config, DispatchOrder, PolicyName
 from kvgate.exact_index import ExactIndex
 from kvgate.features import Features
 from kvgate.first_byte import FirstByteBudget
@@ -135,21 +135,36 @@ class DecisionService:
         if dry_run:
             return self.planner.routed(did, policy, plan, priority)
         plan, held = self._judge(did, f, plan, priority, 0.0)
-        past = self.queue is not None and self.queue.past_share(f)
-        if self.queue is not None and (held or self.planner.must_wait(plan, past)):
-            if past:
-                self.metrics.of(self.metrics.tenant_past_share, label_of(tenant_of(f))).inc()
-            live = asyncio.get_running_loop().create_future() if self._wake is not None else None
-            waiting = Waiting(did, f, policy, priority, self.queue.clock(), f.est_tokens, future=live)
-            try:
-                self.queue.add(waiting)
-            except QueueFull as full:
-                self.metrics.queue_rejected.labels("full" if full.key is None else "key_share").inc()
-                self.admission.unadmit(did)
-                raise
-            self.metrics.queue_depth.set(len(self.queue))
-            return Queued(did, waiting)
-        return await self._commit(did, policy, f, plan, priority, t0)
+        queue = self.queue
+        if queue is None:
+            return await self._commit(did, policy, f, plan, priority, t0)
+        past = queue.past_share(f)
+        wait = held or self.planner.must_wait(plan, past)
+        gather = self._gathers(f)
+        if not (wait or gather):
+            return await self._commit(did, policy, f, plan, priority, t0)
+        if past and wait:
+            self.metrics.of(self.metrics.tenant_past_share, label_of(tenant_of(f))).inc()
+        live = asyncio.get_running_loop().create_future() if self._wake is not None else None
+        now = queue.clock()
+        waiting = Waiting(did, f, policy, priority, now, f.est_tokens, future=live, ready=now + gather)
+        try:
+            queue.add(waiting)
+        except QueueFull as full:
+            self.metrics.queue_rejected.labels("full" if full.key is None else "key_share").inc()
+            self.admission.unadmit(did)
+            raise
+        if gather and self._wake is not None:
+            asyncio.get_running_loop().call_later(gather, self.kick)
+        self.metrics.queue_depth.set(len(queue))
+        return Queued(did, waiting)
+
+    def _gathers(self, f: Features) -> float:
+        """Seconds a request waits before it is placed (``queue.gather_ms``): a prompt too long to
+        share a step with another lets the shorter ones that arrived with it go first (0: none)."""
+        q = self.config.queue
+        long = f.est_tokens > self.config.routing.limits.saturation_prefill_tokens
+        return q.gather_s if q.order is DispatchOrder.SHORTEST and long else 0.0
 
     def _judge(self, did: str, f: Features, plan: Plan, priority: int, waited: float) -> tuple[Plan, bool]:
         """The plan as the request's TTFT objective lets it go (``kvgate.slo``), and whether it waits
@@ -242,6 +257,8 @@ class DecisionService:
             out.append((w, refusal))
         blocked: set[str | None] = set()  # models with no room left in this round
         for w in queue.in_order():
+            if w.ready > queue.clock():
+                continue  # gathering: shorter requests arriving now go first (queue.gather_ms)
             f = w.features
             strict = f.key_source == "response"
             if f.model in blocked and not strict:

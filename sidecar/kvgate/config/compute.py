@@ -53,6 +53,14 @@ class QueueConfig:
         "also age a request once it has waited this multiple of its fair share (the wait first come "
         "first served would have given it); none: ageing_ms alone",
     )
+    # Measured on the conversation trace's bursts (docs/benchmarks.md, "A burst's long prompts").
+    gather_s: float = millis(
+        0,
+        0,
+        1000,
+        "shortest-first: a prompt longer than routing.saturation_prefill_tokens waits this long "
+        "before it is placed, so that shorter ones arriving with it (a burst) go first; 0: off",
+    )
     fair_window_s: float = millis(
         60_000,
         1000,
