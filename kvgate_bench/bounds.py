@@ -1,9 +1,11 @@
-"""What no router could beat on a workload, the reference every report shows beside the routers:
-the hits of one pooled prefix cache as large as the whole fleet's, and each request's TTFT with
-no queue ahead of it."""
+"""What no router could beat on a workload, the references every report shows beside the routers:
+the hits of one pooled prefix cache as large as the whole fleet's, each request's TTFT with no
+queue ahead of it, and its TTFT when the fleet's backends take the work as one scheduler would
+that knew every prompt's cost (``fleet_ttft``): the queueing that bursts and load make unavoidable."""
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -54,4 +56,44 @@ def zero_queue_ttft(requests: Sequence[BenchRequest], cached: Sequence[int], pro
     for r, c in zip(sorted(requests, key=lambda x: x.arrival), cached, strict=True):
         u = max(1, r.prompt_tokens - c)
         out.append(profile.frontend_s + math.ceil(u / budget) * profile.t0_s + profile.alpha_s * u)
+    return out
+
+
+def fleet_ttft(
+    requests: Sequence[BenchRequest], cached: Sequence[int], profile: Profile, backends: int, speedup: float
+) -> list[float]:
+    """TTFT (in arrival order) when ``backends`` prefill the requests, each on one backend, shortest
+    remaining prefill first across the whole fleet, a shorter arrival taking the place of a longer
+    one in progress; the pooled-ideal cache. A reference, not a strict bound: an engine's step can
+    share its fixed cost between prefills, and decodes take none of its time here."""
+    reqs = sorted(requests, key=lambda x: x.arrival)
+    zero = zero_queue_ttft(reqs, cached, profile)
+    arrival = [r.arrival / speedup for r in reqs]
+    work = [z - profile.frontend_s for z in zero]
+    out = [0.0] * len(reqs)
+    waiting: list[tuple[float, int]] = []
+    running: list[list[float]] = []  # [remaining seconds, request]
+    t, i = 0.0, 0
+    while i < len(reqs) or waiting or running:
+        until = min((r[0] for r in running), default=math.inf)
+        until = min(until, arrival[i] - t if i < len(reqs) else math.inf)
+        for r in running:
+            r[0] -= until
+        t += until
+        for r in [r for r in running if r[0] <= 1e-12]:
+            running.remove(r)
+            out[int(r[1])] = t - arrival[int(r[1])] + profile.frontend_s
+        while i < len(reqs) and arrival[i] <= t:
+            heapq.heappush(waiting, (work[i], i))
+            i += 1
+        while waiting and len(running) < backends:
+            rem, k = heapq.heappop(waiting)
+            running.append([rem, k])
+        while waiting and running:  # preemption: a shorter waiting one takes a longer one's place
+            longest = max(running, key=lambda r: r[0])
+            if waiting[0][0] >= longest[0]:
+                break
+            rem, k = heapq.heappop(waiting)
+            heapq.heappush(waiting, (longest[0], int(longest[1])))
+            longest[0], longest[1] = rem, k
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import signal
 import sys
@@ -58,11 +59,14 @@ def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
             row = virtual.summarize_run(
                 label, run, ideal, sum(zero_q) / len(zero_q), speedup, report.Slo.from_args(args)
             )
+            fleet = bounds.fleet_ttft(reqs, cached, profile, n, speedup)
+            row = dataclasses.replace(row, fleet_ttft=sum(fleet) / len(fleet))
             rows.append(row)
             if speedup == args.speedups[0]:
                 cdfs[label] = [r.ttft for r in run.results]
             print(
                 f"  {label:16} x{speedup:<5g} TTFT mean {row.ttft_mean:.3f}s p90 {row.ttft_p90:.3f}s "
+                f"(fleet bound {row.fleet_ttft:.3f}s) "
                 f"hit {row.hit_rate:.1%} (ideal {ideal:.1%}) imbalance {row.imbalance:.2f} "
                 f"[{run.wall_s:.0f}s]{regret(run.results)}{prediction(run.results)}",
                 file=sys.stderr,

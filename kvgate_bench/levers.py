@@ -200,6 +200,7 @@ def main(argv: Sequence[str]) -> int:
     notes: list[str] = []
     for speedup in args.speedups:
         base = None
+        fleet = mean(bounds.fleet_ttft(reqs, cached, profile, args.backends, speedup))
         for name in args.levers:
             lv = LEVERS[name]
             extra = {
@@ -227,7 +228,7 @@ def main(argv: Sequence[str]) -> int:
             row = virtual.summarize_run(
                 f"{name} x{speedup:g}", run, ideal, sum(zero_q) / len(zero_q), speedup, slo
             )
-            row = dataclasses.replace(row, errors=run.rejected)
+            row = dataclasses.replace(row, errors=run.rejected, fleet_ttft=fleet)
             rows.append(row)
             base = base if base is not None else row.ttft_mean
             line = (
@@ -255,6 +256,9 @@ def main(argv: Sequence[str]) -> int:
                 )
             print(line, file=sys.stderr)
             notes.append(line)
+        line = f"{'fleet bound':16} x{speedup:<4g} TTFT mean {fleet:7.3f}s ({fleet / (base or fleet):.2f}x)"
+        print(line, file=sys.stderr)
+        notes.append(line)
     head = report.header(["levers", *argv])
     out = Path(args.out) / f"{args.workload}-{args.backends}-backends"
     path = report.write(

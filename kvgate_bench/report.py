@@ -97,6 +97,7 @@ class Summary:
     imbalance: float
     ideal_hit_rate: float | None = None
     zero_queue_ttft: float | None = None
+    fleet_ttft: float | None = None  # kvgate_bench.bounds.fleet_ttft's mean at this load
     gateway_ttft_p50: float | None = None  # kvgate's own measure (first body byte at Nginx), live runs
     gateway_ttft_mean: float | None = None
     # Requests per second that met the SLO, the share of all requests that did (shed and failed ones
@@ -215,6 +216,7 @@ COLUMNS = [
     ("ideal_hit_rate", "pooled ideal", "{:.1%}"),
     ("imbalance", "imbalance", "{:.2f}"),
     ("zero_queue_ttft", "zero-queue TTFT s", "{:.3f}"),
+    ("fleet_ttft", "fleet-bound TTFT s", "{:.3f}"),
 ]
 
 

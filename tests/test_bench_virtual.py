@@ -12,7 +12,7 @@ import pytest
 from kvgate.config import PolicyName
 
 from kvgate_bench import workloads
-from kvgate_bench.bounds import pooled_cache_ideal, zero_queue_ttft
+from kvgate_bench.bounds import fleet_ttft, pooled_cache_ideal, zero_queue_ttft
 from kvgate_bench.virtual import features_for, replay
 from vllm_sim.profiles import LLAMA3_8B_H100
 
@@ -105,6 +105,29 @@ def test_trace_blocks_are_exact_and_shared(tmp_path: Path) -> None:
     assert cached == [0, 1024]  # both leading block ids of b were seen before (counted whole)
     bound = zero_queue_ttft([a, b], cached, LLAMA3_8B_H100)
     assert bound[1] < bound[0] + LLAMA3_8B_H100.alpha_s * 400
+
+
+def test_the_fleet_bound_serves_the_shortest_remaining_prefill_first_on_every_backend(tmp_path: Path) -> None:
+    """A long prompt, a short one with it, and a short one a second later: on one backend the first
+    short one goes first; the second comes after the long one is done, or, twice as fast, while
+    it prefills, and takes its place. On two backends the long one has one to itself."""
+    rows = [
+        {"timestamp": 0, "input_length": 20_000, "output_length": 1, "hash_ids": [1]},
+        {"timestamp": 0, "input_length": 500, "output_length": 1, "hash_ids": [2]},
+        {"timestamp": 1000, "input_length": 500, "output_length": 1, "hash_ids": [3]},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    reqs = workloads.load_trace(path)
+    cached = pooled_cache_ideal(reqs, 1, LLAMA3_8B_H100)
+    alone = zero_queue_ttft(reqs, cached, LLAMA3_8B_H100)
+    long, short = alone[0] - LLAMA3_8B_H100.frontend_s, alone[1] - LLAMA3_8B_H100.frontend_s
+    assert 0.5 < long + short < 0.95 and short < 0.05  # done before 1 s, not before 0.5 s
+    one = fleet_ttft(reqs, cached, LLAMA3_8B_H100, 1, 1.0)
+    assert one == pytest.approx([alone[0] + short, alone[1], alone[2]])
+    fast = fleet_ttft(reqs, cached, LLAMA3_8B_H100, 1, 2.0)
+    assert fast == pytest.approx([alone[0] + 2 * short, alone[1], alone[2]])
+    assert fleet_ttft(reqs, cached, LLAMA3_8B_H100, 2, 2.0) == pytest.approx(alone)
 
 
 def test_spread_arrivals_resolve_a_shared_timestamp_over_its_slot_in_file_order(tmp_path: Path) -> None:
