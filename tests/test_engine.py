@@ -67,6 +67,21 @@ def test_chunked_prefill_splits_long_prompts_by_token_budget() -> None:
     assert [s.prefill_tokens for s in steps] == [1024, 1024, 1024, 1024]
 
 
+def test_a_short_prompt_behind_a_long_prefill_is_answered_with_its_last_chunk() -> None:
+    """As real vLLM does (``tests/real/test_signals.py``): a prefill in progress is scheduled before
+    one that waits, so a short prompt arriving during a long one gets its first token in the step
+    of the long one's last chunk, many times its TTFT alone."""
+    alone = Request("alone", prompt(3, 100), 1, 0.0, ignore_eos=True)
+    run_to_completion(engine(), [alone])
+    long = Request("long", prompt(4, 40_000), 1, 0.0, ignore_eos=True)
+    short = Request("short", prompt(5, 100), 1, 0.1, ignore_eos=True)
+    run_to_completion(engine(), [long, short])
+    assert long.ttft is not None and short.ttft is not None and alone.ttft is not None
+    assert long.ttft > 1.0
+    assert abs((short.arrival + short.ttft) - (long.arrival + long.ttft)) < 0.001
+    assert short.ttft > 10 * alone.ttft
+
+
 def test_decodes_are_scheduled_before_new_prefills() -> None:
     e = engine(max_num_batched_tokens=512)
     a = Request("a", prompt(1, 100), 50, 0.0, ignore_eos=True)

@@ -108,3 +108,41 @@ def test_the_gateways_ttft_is_the_first_token_not_the_headers(kvgate: Gateway, t
     gateway = kvgate.sidecar_metric("kvgate_gateway_ttft_seconds_sum") - before
     assert abs(gateway - first_at) < max(0.010, 0.03 * first_at), (gateway, first_at)
     assert first_at > 0.3 and headers_at < first_at / 3, (headers_at, first_at)
+
+
+def test_a_short_prompt_behind_a_long_one_is_answered_when_the_long_prefill_is_done(
+    fleet: RealFleet, tokens: Tokens
+) -> None:
+    """What the gateway's room for a request rests on (``Snapshot.fits``): vLLM schedules the
+    prefill it is running before one that waits, in steps of its token budget, so a short prompt
+    that reaches a server while a long one prefills gets its first token with the long one's last
+    chunk, however short it is: many times its TTFT alone."""
+    port = int(fleet.urls[0].rsplit(":", 1)[1])
+
+    def body(n: int, seed: int) -> dict[str, object]:
+        text = tokens.text(n, seed)
+        return {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 2,
+            "ignore_eos": True,
+            "stream": True,
+        }
+
+    alone = min(stream_timings(port, body(100, 9100 + i))[1] for i in range(3))
+    out: dict[str, float] = {}
+
+    def long() -> None:
+        t0 = time.monotonic()
+        out["long_at"] = t0 + stream_timings(port, body(12000, 9200))[1]
+        out["long_ttft"] = out["long_at"] - t0
+
+    worker = threading.Thread(target=long)
+    worker.start()
+    time.sleep(0.15)  # the long prompt is in its prefill
+    t0 = time.monotonic()
+    short = stream_timings(port, body(100, 9300))[1]
+    worker.join()
+    assert out["long_ttft"] > 0.4, out  # long enough to arrive during it
+    assert t0 + short > out["long_at"] - 0.2 * out["long_ttft"], (short, out)
+    assert short > 4 * alone, (short, alone)
