@@ -190,3 +190,20 @@ def test_a_tenant_past_its_share_needs_little_prefill_waiting_and_another_backen
     assert room({"a": 0, "b": 100}, "a", reserve=0)
     assert room({"a": 0, "b": 100, "c": 0}, "a") and not room({"a": 0, "b": 100, "c": 0}, "a", reserve=2)
     assert room({"a": 1_000}, "a") and not room({"a": 5_000}, "a")
+
+
+def test_a_tenant_past_its_share_leaves_kv_cache_free_on_its_backend_and_the_reserve() -> None:
+    """``room_past_share`` with ``kv``: a flood's decodes fill every cache, and a request without KV
+    blocks waits for some: the node and the backend kept clear must each have the cache to spare."""
+    limits = LoadLimits(1.25, 8, 0.95, 32_768)
+
+    def room(kv: dict[str, float], node: str, threshold: float = 0.85) -> bool:
+        nodes = {n: NodeView(n, 1.0, load(kv=used)) for n, used in kv.items()}
+        s = Snapshot(nodes, Ring({n: 1.0 for n in kv}), limits, {}, {n: 0 for n in kv})
+        return s.room_past_share(node, 4_096, 1, threshold)
+
+    assert room({"a": 0.5, "b": 0.5}, "a")
+    assert not room({"a": 0.9, "b": 0.5}, "a")  # its own cache nearly full (not yet saturated)
+    assert not room({"a": 0.5, "b": 0.9}, "a")  # the other one cannot be the reserve
+    assert room({"a": 0.5, "b": 0.9, "c": 0.2}, "a")
+    assert room({"a": 0.9, "b": 0.9}, "a", threshold=1.0)  # off

@@ -176,7 +176,7 @@ class Planner:
         ``past_share``, unless its backend has ``Snapshot.room_past_share``."""
         snap, first, q = plan.snap, plan.decision.candidates[0], self.config.queue
         if past_share:
-            return not snap.room_past_share(first, q.fair_prefill_tokens, q.fair_reserve)
+            return not snap.room_past_share(first, q.fair_prefill_tokens, q.fair_reserve, q.fair_kv)
         if self._fits(plan, first):
             return False
         strict = plan.req.features.key_source == "response"

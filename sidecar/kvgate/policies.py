@@ -129,14 +129,20 @@ class Snapshot:
         limit = self.limits.saturation_prefill_tokens
         return self.has_room(node) and (ahead == 0 or ahead + tokens <= limit)
 
-    def room_past_share(self, node: str, budget: int, reserve: int) -> bool:
+    def room_past_share(self, node: str, budget: int, reserve: int, kv: float = 1.0) -> bool:
         """``has_room`` for a tenant past its share of the service (``queue.fair_*``): fewer than
-        ``budget`` prompt tokens waiting for prefill on ``node``, and ``reserve`` other backends
-        left with none, so that another tenant's next request finds one where it starts at once
-        (the engine finishes the prefills it runs before it starts a waiting one)."""
-        if not self.has_room(node, budget):
+        ``budget`` prompt tokens waiting for prefill on ``node`` and its KV cache under ``kv``
+        used, and ``reserve`` other backends left clear (no prefill waiting, KV under ``kv``), so
+        that another tenant's next request finds one where it starts at once (the engine finishes
+        the prefills it runs before it starts a waiting one, and a request without KV blocks
+        waits for some to free)."""
+        if not self.has_room(node, budget) or self.nodes[node].load.kv_usage >= kv:
             return False
-        clear = sum(1 for n in self.nodes if n != node and self.inflight_tokens.get(n, 0) == 0)
+        clear = sum(
+            1
+            for n, v in self.nodes.items()
+            if n != node and self.inflight_tokens.get(n, 0) == 0 and v.load.kv_usage < kv
+        )
         return clear >= min(reserve, len(self.nodes) - 1)
 
     def bound_admits(self, c: float | None = None) -> Callable[[str], bool]:

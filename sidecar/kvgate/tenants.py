@@ -13,8 +13,9 @@ The order alone is not enough: once the gateway has sent a quiet tenant's reques
 waits inside the backend behind the flood's prefills already admitted there (an engine finishes the
 prefills it runs before starting a waiting one). So while a tenant is past an equal share of the
 recent service (``over_share``), its requests go only where they leave room for the others
-(``policies.Snapshot.room_past_share``: little prefill waiting there, and ``queue.fair_reserve``
-backends clear of any).
+(``policies.Snapshot.room_past_share``: little prefill waiting there and KV cache to spare, and
+``queue.fair_reserve`` backends clear of prefill with KV cache to spare: a flood's decodes would
+otherwise fill every cache, and a request without KV blocks waits for some).
 
 Bounded: a tenant whose decayed service falls under one token is forgotten when the next one is
 counted, so the map holds about the tenants of the last few windows.
