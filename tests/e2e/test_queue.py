@@ -154,3 +154,29 @@ def test_one_key_flooding_the_queue_leaves_the_other_keys_their_room(stack: Supe
     assert refused and all("share of the gateway queue" in r.message for r in refused), results["flood"]
     assert metric(gw, "kvgate_queue_rejected_total") == len(refused)
     wait_until(idle(gw), timeout=2)
+
+
+def test_a_long_prompt_waits_its_gather_time_and_a_short_one_does_not(stack: Supervisor) -> None:
+    """``queue.gather_ms`` through Nginx: a prompt over the prefill budget waits that long at the
+    gateway before it is placed (the dispatcher is woken when the wait ends, long before its next
+    tick), so a short one arriving with it goes first; the short one is not held."""
+    gw = gateway(stack, order="shortest", gather_ms=400)
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+    def first_token(content: str) -> float:
+        t0 = time.monotonic()
+        messages: Any = [{"role": "user", "content": content}]
+        for chunk in client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, stream=True
+        ):
+            if chunk.choices and chunk.choices[0].delta.content:
+                return time.monotonic() - t0
+        raise AssertionError("no token")
+
+    waited_before = metric(gw, "kvgate_queue_wait_seconds_count")
+    assert first_token("hello there") < 0.35  # short: placed at once
+    assert metric(gw, "kvgate_queue_wait_seconds_count") == waited_before
+    long = first_token(prompt(1))  # ~5 KB: over the 512-token budget
+    assert 0.4 <= long < 2.0, long
+    wait_until(lambda: metric(gw, "kvgate_queue_wait_seconds_count") == waited_before + 1, timeout=5)
+    wait_until(idle(gw), timeout=10)
