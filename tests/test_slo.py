@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from kvgate.config import Config
+from kvgate.config import Config, PolicyName
 from kvgate.messages import Outcome
 from kvgate.metrics import SidecarMetrics
 from kvgate.service import Queued, Routed
@@ -211,3 +211,26 @@ def test_a_sheddable_request_waiting_behind_a_held_one_is_refused_once_its_objec
         assert service.sizes()["queue_waiting"] == 0 and service.sizes()["objectives_awaiting_end"] == 0
 
     run(scenario())
+
+
+def test_a_refusal_says_when_the_first_token_was_expected_counted_from_arrival() -> None:
+    """The objective counts from the request's arrival: a request that waited in the gateway queue
+    is refused with the wait included (0.6 s expected after 0.5 s waited is 1.1 s, past 1 s)."""
+
+    async def scenario() -> str:
+        f = features(0)
+        sc = core(
+            n=1,
+            routing={"policy": "least_load"},
+            queue={"enabled": True},
+            slo={"objectives": [{"ttft_ms": 1000}], "sheddable_priority": 0},
+        )
+        (backend,) = sc.registry.backends
+        for work in (0, 1000, 2000, 3000, 4000, 5000):
+            sc.service.first_byte.learn(backend, work, 0.6 * work / f.est_tokens)  # this prompt: 0.6 s
+        plan = await sc.service.planner.plan(f, PolicyName.LEAST_LOAD, 1, False)
+        with pytest.raises(SloShed) as refused:
+            sc.service._judge("late", f, plan, 0, 0.5)
+        return str(refused.value)
+
+    assert run(scenario()).startswith("its first token is expected 1.1s after it arrived")

@@ -177,7 +177,7 @@ class DecisionService:
         self.slo.judged(j)
         if j.verdict is Verdict.SHED:
             self.admission.unadmit(did)
-            raise SloShed(j.retry_after, j.expected, objective.ttft_s or 0.0)
+            raise SloShed(j.retry_after, waited + j.expected, objective.ttft_s or 0.0)
         return plan, j.verdict is Verdict.WAIT
 
     async def route(self, f: Features, decision_id: str | None = None) -> Routed:

@@ -48,8 +48,10 @@ class SloShed(Exception):
     """A sheddable request that cannot meet its TTFT objective: refused with 429 and Retry-After."""
 
     def __init__(self, retry_after: int, predicted: float, objective: float) -> None:
+        """``predicted``: seconds from the request's arrival, as its objective counts them."""
         super().__init__(
-            f"its first token is expected after {predicted:.1f}s, past its objective of {objective:.1f}s"
+            f"its first token is expected {predicted:.1f}s after it arrived, past its objective of "
+            f"{objective:.1f}s"
         )
         self.retry_after = retry_after
 
