@@ -177,15 +177,16 @@ class Planner:
         snap, first, q = plan.snap, plan.decision.candidates[0], self.config.queue
         if past_share:
             return not snap.room_past_share(first, q.fair_prefill_tokens, q.fair_reserve, q.fair_kv)
-        if self._fits(plan, first):
+        own = self._own(plan)
+        if snap.fits(first, own[first]):
             return False
         strict = plan.req.features.key_source == "response"
-        return strict or not any(self._fits(plan, n) for n in snap.nodes)
+        return strict or not any(snap.fits(n, own[n]) for n in snap.nodes)
 
-    def _fits(self, plan: Plan, bid: str) -> bool:
-        """``Snapshot.fits`` for the plan's request, with what it would prefill on ``bid``."""
+    def _own(self, plan: Plan) -> dict[str, int]:
+        """Prompt tokens each backend of the plan would prefill for its request (``uncached``)."""
         f, depth = plan.req.features, plan.req.prefix_depth
-        return plan.snap.fits(bid, self.uncached(f, depth.get(bid, 0), bid))
+        return {n: self.uncached(f, depth.get(n, 0), n) for n in plan.snap.nodes}
 
     def uncached(self, f: Features, depth_chunks: int, bid: str) -> int:
         """Prompt tokens ``bid`` will likely prefill for this request (``kvgate.realized``)."""
@@ -202,14 +203,13 @@ class Planner:
         if len(r) > len(self.registry.backends):
             r.forget(self.registry.backends)
 
-    def _expected(self, plan: Plan) -> dict[str, tuple[float, float]]:
-        """Each backend's expected seconds to the plan's first byte, now and idle (``kvgate.expected``)."""
-        f, depth = plan.req.features, plan.req.prefix_depth
-
-        def own(n: str) -> int:
-            return self.uncached(f, depth.get(n, 0), n)
-
-        return expected(plan.snap.nodes, self.registry.ledger.tokens, own, self.first_byte.predict)
+    def _expected(self, plan: Plan, own: dict[str, int] | None = None) -> dict[str, tuple[float, float]]:
+        """Each backend's expected seconds to the plan's first byte, now and idle (``kvgate.expected``),
+        from what it would prefill there (``own``, else counted here)."""
+        own = self._own(plan) if own is None else own
+        return expected(
+            plan.snap.nodes, self.registry.ledger.tokens, own.__getitem__, self.first_byte.predict
+        )
 
     @staticmethod
     def _movable(plan: Plan) -> bool:
@@ -233,9 +233,10 @@ class Planner:
         if margin >= 1.0 or policy is not PolicyName.KVGATE or not self._movable(plan):
             return plan
         lim, first = snap.limits, plan.decision.candidates[0]
-        figures = self._expected(plan)
-        if not self._fits(plan, first):
-            roomy = [n for n in snap.nodes if self._fits(plan, n)]
+        own = self._own(plan)
+        figures = self._expected(plan, own)
+        if not snap.fits(first, own[first]):
+            roomy = [n for n in snap.nodes if snap.fits(n, own[n])]
             if roomy:
                 best = min(roomy, key=lambda n: figures.get(n, (math.inf,))[0])  # unknown: last
                 return dataclasses.replace(plan, decision=to_front(plan.decision, best, Reason.TTFT))

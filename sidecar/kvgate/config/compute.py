@@ -53,7 +53,8 @@ class QueueConfig:
         "also age a request once it has waited this multiple of its fair share (the wait first come "
         "first served would have given it); none: ageing_ms alone",
     )
-    # Measured on the conversation trace's bursts (docs/benchmarks.md, "A burst's long prompts").
+    # Measured on the conversation trace's bursts (docs/benchmarks.md, "Room for a request, and a
+    # burst's order"): 1 and 5 ms alike in virtual time; 5 still gathers a live burst.
     gather_s: float = millis(
         0,
         0,
@@ -86,8 +87,8 @@ class QueueConfig:
         "fair: and only to a backend with fewer prompt tokens than this routed and waiting for "
         "prefill (the others' next request waits behind no more there)",
     )
-    # Measured on the same benchmark: 120 s, quiet p90 1.31x alone without it, 1.16x at 0.85,
-    # 1.20x at 0.7 (the flood served 4-7 % less).
+    # Measured on the same benchmark: quiet p90 against alone, 300 s 1.45x without it, 1.28x at
+    # 0.85 (0.9: 1.23x, 0.7: 2.08x); the other windows agree only on 0.85 (the flood served ~5 % less).
     fair_kv: float = number(
         0.85,
         0.05,
