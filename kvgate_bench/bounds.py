@@ -71,29 +71,27 @@ def fleet_ttft(
     arrival = [r.arrival / speedup for r in reqs]
     work = [z - profile.frontend_s for z in zero]
     out = [0.0] * len(reqs)
-    waiting: list[tuple[float, int]] = []
-    running: list[list[float]] = []  # [remaining seconds, request]
+    waiting: list[tuple[float, int]] = []  # (remaining seconds, request)
+    running: dict[int, float] = {}  # request -> remaining seconds
     t, i = 0.0, 0
     while i < len(reqs) or waiting or running:
-        until = min((r[0] for r in running), default=math.inf)
-        until = min(until, arrival[i] - t if i < len(reqs) else math.inf)
-        for r in running:
-            r[0] -= until
+        until = min(min(running.values(), default=math.inf), arrival[i] - t if i < len(reqs) else math.inf)
+        running = {k: rem - until for k, rem in running.items()}
         t += until
-        for r in [r for r in running if r[0] <= 1e-12]:
-            running.remove(r)
-            out[int(r[1])] = t - arrival[int(r[1])] + profile.frontend_s
+        for k in [k for k, rem in running.items() if rem <= 1e-12]:
+            del running[k]
+            out[k] = t - arrival[k] + profile.frontend_s
         while i < len(reqs) and arrival[i] <= t:
             heapq.heappush(waiting, (work[i], i))
             i += 1
         while waiting and len(running) < backends:
             rem, k = heapq.heappop(waiting)
-            running.append([rem, k])
+            running[k] = rem
         while waiting and running:  # preemption: a shorter waiting one takes a longer one's place
-            longest = max(running, key=lambda r: r[0])
-            if waiting[0][0] >= longest[0]:
+            longest = max(running, key=running.__getitem__)
+            if waiting[0][0] >= running[longest]:
                 break
             rem, k = heapq.heappop(waiting)
-            heapq.heappush(waiting, (longest[0], int(longest[1])))
-            longest[0], longest[1] = rem, k
+            heapq.heappush(waiting, (running.pop(longest), longest))
+            running[k] = rem
     return out
