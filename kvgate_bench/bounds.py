@@ -50,12 +50,15 @@ def pooled_cache_ideal(requests: Sequence[BenchRequest], backends: int, profile:
 
 
 def zero_queue_ttft(requests: Sequence[BenchRequest], cached: Sequence[int], profile: Profile) -> list[float]:
-    """TTFT with no queueing and the pooled-ideal cache: frontend plus prefill of uncached tokens."""
+    """TTFT with no queueing and the pooled-ideal cache: frontend plus prefill of uncached tokens
+    (and their attention to the context, where the profile prices it)."""
     out = []
     budget = profile.max_num_batched_tokens
     for r, c in zip(sorted(requests, key=lambda x: x.arrival), cached, strict=True):
         u = max(1, r.prompt_tokens - c)
-        out.append(profile.frontend_s + math.ceil(u / budget) * profile.t0_s + profile.alpha_s * u)
+        attention = u * (r.prompt_tokens - u / 2) / 1000.0
+        steps = math.ceil(u / budget) * profile.t0_s
+        out.append(profile.frontend_s + steps + profile.alpha_s * u + profile.delta_s * attention)
     return out
 
 

@@ -26,8 +26,12 @@ from vllm_sim.profiles import PROFILES, get_profile
 def cmd_virtual(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from kvgate_bench import bounds, virtual
 
+    try:
+        profile = get_profile(args.profile)
+    except ValueError as exc:
+        print(f"kvgate-bench virtual: {exc}", file=sys.stderr)
+        return 2
     reqs = build_workload(args)
-    profile = get_profile(args.profile)
     print(f"{len(reqs)} requests; computing features", file=sys.stderr)
     feats = virtual.features_for(reqs)
     head = report.header(argv)
@@ -190,7 +194,11 @@ def _main(argv: list[str]) -> int:
         action="store_true",
         help="replicas do not share their in-flight load (redis.load_share_ms 0): the baseline",
     )
-    v.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
+    v.add_argument(
+        "--profile",
+        default="llama3-8b-h100",
+        help=f"{', '.join(sorted(PROFILES))}, or a profile JSON a calibration wrote",
+    )
     v.add_argument("--out", default="bench-results/virtual")
     live.add_parsers(sub)
     for name, (_, text) in OWN_PARSERS.items():

@@ -105,6 +105,12 @@ def test_trace_blocks_are_exact_and_shared(tmp_path: Path) -> None:
     assert cached == [0, 1024]  # both leading block ids of b were seen before (counted whole)
     bound = zero_queue_ttft([a, b], cached, LLAMA3_8B_H100)
     assert bound[1] < bound[0] + LLAMA3_8B_H100.alpha_s * 400
+    # A profile that prices attention (a calibrated CPU one): each uncached token attends to the
+    # cached part and half the uncached; b's 76 new tokens attend to 1,024 + 38.
+    cpu = dataclasses.replace(LLAMA3_8B_H100, delta_s=5e-5)
+    priced = zero_queue_ttft([a, b], cached, cpu)
+    assert priced[0] - bound[0] == pytest.approx(5e-5 * 700 * 350 / 1000)
+    assert priced[1] - bound[1] == pytest.approx(5e-5 * 76 * (1024 + 38) / 1000)
 
 
 def test_the_fleet_bound_serves_the_shortest_remaining_prefill_first_on_every_backend(tmp_path: Path) -> None:
