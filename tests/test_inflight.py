@@ -12,14 +12,20 @@ def test_inflight_counts_rise_with_decisions_and_end_with_reports() -> None:
     async def scenario() -> None:
         sc = ready(config(None), None)
         routed = [await sc.service.route(features(i)) for i in range(12)]
-        assert sum(sc.registry.ledger.counts.values()) == 12 and sum(sc.registry.ledger.tokens.values()) > 0
+        ledger = sc.registry.ledger
+        assert sum(ledger.counts.values()) == 12 and sum(ledger.tokens.values()) > 0
+        assert sum(ledger.attention.values()) > 0
         sc.service.report([Outcome.first(r.decision_id, r.candidates[0].id) for r in routed])
-        assert sum(sc.registry.ledger.tokens.values()) == 0  # first bytes: prefill done
+        assert sum(ledger.tokens.values()) == 0  # first bytes: prefill done
+        assert sum(ledger.attention.values()) == 0.0
         assert sum(sc.registry.ledger.counts.values()) == 12
         sc.service.report(
             [Outcome.end(r.decision_id, r.candidates[0].id, 200, True, 0.1, 0.5) for r in routed]
         )
         assert sum(sc.registry.ledger.counts.values()) == 0 and len(sc.registry.ledger) == 0
+        more = [await sc.service.route(features(i)) for i in range(20, 26)]  # ended before a first byte
+        sc.service.report([Outcome.end(r.decision_id, r.candidates[0].id, 502, True, 0.1, 0.5) for r in more])
+        assert sum(ledger.tokens.values()) == 0 and sum(ledger.attention.values()) == 0.0
         sc.service.report(
             [Outcome.end(r.decision_id, r.candidates[0].id, 200, True, 0.1, 0.5) for r in routed]
         )

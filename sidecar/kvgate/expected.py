@@ -3,11 +3,12 @@
 What the gateway knows of a backend adds up to one figure per request: the prefill this replica has
 queued there, plus the part of the prompt that backend does not hold (the prefix index, scaled by
 what its engine actually serves: ``kvgate.realized``), through that backend's learned first-byte fit
-(``kvgate.first_byte``: seconds = a + b x tokens). Prefix affinity is a term of it, not a rule: a
-backend holding the prompt has less of it to prefill. The SLO's judgement reads these figures
-(``kvgate.slo``), and so does placement: the policy's pick gives way to the backend expected first
-when that one is expected at least ``routing.ttft_margin`` sooner (the fit is an estimate; a small
-margin keeps a pick that is as good within its error, so that load and sessions keep their say).
+(``kvgate.first_byte``: seconds = a + b x tokens + d x their attention). Prefix affinity is a term
+of it, not a rule: a backend holding the prompt has less of it to prefill. The SLO's judgement
+reads these figures (``kvgate.slo``), and so does placement: the policy's pick gives way to the
+backend expected first when that one is expected at least ``routing.ttft_margin`` sooner (the fit
+is an estimate; a small margin keeps a pick that is as good within its error, so that load and
+sessions keep their say).
 
 Pure functions: the planner (``kvgate.planner``) gives them its view.
 """
@@ -19,19 +20,21 @@ from collections.abc import Callable, Iterable, Mapping
 
 from kvgate.policies import Decision, Reason
 
+Work = tuple[int, float]  # prefill tokens and their quadratic part (kvgate.first_byte.attention_of)
+
 
 def expected(
     nodes: Iterable[str],
-    queued: Mapping[str, int],
-    own: Callable[[str], int],
-    predict: Callable[[str, int], float | None],
+    queued: Callable[[str], Work],
+    own: Callable[[str], Work],
+    predict: Callable[[str, int, float], float | None],
 ) -> dict[str, tuple[float, float]]:
     """Per backend with a fit: the expected seconds to the first byte now (behind the prefill
-    ``queued`` there) and idle (its ``own`` uncached tokens alone)."""
+    ``queued`` there) and idle (its ``own`` uncached part alone)."""
     out: dict[str, tuple[float, float]] = {}
     for n in nodes:
-        mine = own(n)
-        now, idle = predict(n, queued.get(n, 0) + mine), predict(n, mine)
+        (qt, qa), (mt, ma) = queued(n), own(n)
+        now, idle = predict(n, qt + mt, qa + ma), predict(n, mt, ma)
         if now is not None and idle is not None:
             out[n] = (now, idle)
     return out

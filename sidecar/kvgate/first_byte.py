@@ -6,12 +6,16 @@ Nginx has one read timeout per try. When it fires before any byte reached the cl
 candidate is tried; a fixed 60 s made every request that met a hung backend wait 60 s, while the same
 backend usually answers in well under a second. So each decision carries a budget per candidate:
 
-    margin x (a + b x work), clamped to [floor, ceiling]
+    margin x (a + b x tokens + d x attention), clamped to [floor, ceiling]
 
-where ``work`` is the prefill ahead of the request's first token there (uncached prompt tokens this
-replica has routed to it and not yet seen answered, plus the part of this prompt it does not hold) and
-``a``, ``b`` are fitted per backend, by least squares with exponential decay, to the time from each
-decision to its first-byte report against the work the decision saw.
+where ``tokens`` is the prefill ahead of the request's first token there (uncached prompt tokens this
+replica has routed to it and not yet seen answered, plus the part of this prompt it does not hold),
+``attention`` the same prefills' quadratic part (``attention_of``: each uncached token times the
+context it attends to), and ``a``, ``b``, ``d`` are fitted per backend, by least squares with
+exponential decay and no negative cost, to the time from each decision to its first-byte report
+against the work the decision saw. Attention is a small share of a prefill on a GPU at 8B scale (the
+fit gives it no weight there) and most of a long prefill on a small model or a CPU: with tokens alone
+the prediction for a 16k-token prompt there came out a fraction of what it took.
 
 The same read timeout also bounds every later silence of a stream (vLLM sends a stream's headers at
 once and its first event with the first token), where it can only cut a stream the client already
@@ -33,34 +37,68 @@ DECAY = 0.97  # each new answer's weight against the past: the fit follows about
 MAX_SECONDS_PER_TOKEN = 0.01  # 100 tokens/s: slower than any real prefill; bounds a noisy slope
 
 
+MAX_SECONDS_PER_ATTENTION = 0.01  # per token per 1,000 tokens of context: the same bound
+# Attention enters the fit only when it explains this share of what tokens alone leave unexplained:
+# on a fleet where it costs little it is mostly a second copy of the tokens, and fitting noise with
+# it made the trace's predictions worse (virtual, 4 H100 profiles: error p50 13 % -> 17 %).
+ATTENTION_GAIN = 0.3
+
+
+def attention_of(uncached: int, prompt: int) -> float:
+    """The quadratic part of prefilling a prompt's last ``uncached`` tokens: each of them times the
+    context it attends to (the cached part plus half the uncached), in thousands of tokens."""
+    return uncached * (max(prompt, uncached) - uncached / 2) / 1000.0
+
+
 @dataclass(slots=True)
 class _Fit:
-    """Decayed sums of (work tokens, seconds to the first byte) for one backend."""
+    """Decayed sums of (work tokens t, their attention q, seconds to the first byte y) for one
+    backend."""
 
     w: float = 0.0
-    x: float = 0.0
+    t: float = 0.0
+    q: float = 0.0
     y: float = 0.0
-    xx: float = 0.0
-    xy: float = 0.0
+    tt: float = 0.0
+    qq: float = 0.0
+    tq: float = 0.0
+    ty: float = 0.0
+    qy: float = 0.0
+    yy: float = 0.0
     n: int = 0
 
-    def add(self, x: float, y: float) -> None:
-        self.w = self.w * DECAY + 1.0
-        self.x = self.x * DECAY + x
-        self.y = self.y * DECAY + y
-        self.xx = self.xx * DECAY + x * x
-        self.xy = self.xy * DECAY + x * y
+    def add(self, t: float, q: float, y: float) -> None:
+        d = DECAY
+        self.w = self.w * d + 1.0
+        self.t, self.q, self.y = self.t * d + t, self.q * d + q, self.y * d + y
+        self.tt, self.qq, self.tq = self.tt * d + t * t, self.qq * d + q * q, self.tq * d + t * q
+        self.ty, self.qy, self.yy = self.ty * d + t * y, self.qy * d + q * y, self.yy * d + y * y
         self.n += 1
 
-    def line(self) -> tuple[float, float]:
-        """(seconds at no work, seconds per token of work), both at least 0."""
-        mx, my = self.x / self.w, self.y / self.w
-        var = self.xx / self.w - mx * mx
-        if var <= (0.05 * mx) ** 2 + 1.0:  # every answer had about the same work: a rate through 0
-            slope = my / mx if mx > 0 else 0.0
-            return (my if mx <= 0 else 0.0), min(slope, MAX_SECONDS_PER_TOKEN)
-        slope = min(max(0.0, (self.xy / self.w - mx * my) / var), MAX_SECONDS_PER_TOKEN)
-        return max(0.0, my - slope * mx), slope
+    def model(self) -> tuple[float, float, float]:
+        """(seconds at no work, seconds per token, seconds per token per 1,000 tokens of context),
+        all at least 0. The line on tokens, unless adding attention (alone or beside tokens, with no
+        negative cost) explains at least ``ATTENTION_GAIN`` of what that line leaves unexplained."""
+        w = self.w
+        mt, mq, my = self.t / w, self.q / w, self.y / w
+        stt, sqq, stq = self.tt / w - mt * mt, self.qq / w - mq * mq, self.tq / w - mt * mq
+        sty, sqy, syy = self.ty / w - mt * my, self.qy / w - mq * my, self.yy / w - my * my
+        if stt <= (0.05 * mt) ** 2 + 1.0:  # every answer had about the same work: a rate through 0
+            slope = my / mt if mt > 0 else 0.0
+            return (my if mt <= 0 else 0.0), min(slope, MAX_SECONDS_PER_TOKEN), 0.0
+        line = (sty * sty / stt, sty / stt, 0.0) if sty > 0 else (0.0, 0.0, 0.0)  # (explained, b, d)
+        fits = [line]
+        if sqq > (0.05 * mq) ** 2 + 1e-9 and sqy > 0:
+            fits.append((sqy * sqy / sqq, 0.0, sqy / sqq))
+            det = stt * sqq - stq * stq
+            if det > 1e-9 * stt * sqq:  # not one the other's multiple
+                b, d = (sty * sqq - sqy * stq) / det, (sqy * stt - sty * stq) / det
+                if b >= 0 and d >= 0:
+                    fits.append((b * sty + d * sqy, b, d))
+        bar = line[0] + ATTENTION_GAIN * (syy - line[0])
+        _, b, d = max(f for f in fits if f is line or f[0] > bar)
+        b, d = min(b, MAX_SECONDS_PER_TOKEN), min(d, MAX_SECONDS_PER_ATTENTION)
+        return max(0.0, my - b * mt - d * mq), b, d
 
 
 class FirstByteBudget:
@@ -68,26 +106,26 @@ class FirstByteBudget:
         self.config = config
         self._fits: dict[str, _Fit] = {}
 
-    def learn(self, backend: str, work: int, seconds: float) -> None:
-        """A decision that saw ``work`` tokens ahead on ``backend`` got its first byte ``seconds``
-        after it was made."""
-        if not (seconds >= 0.0 and math.isfinite(seconds)):
+    def learn(self, backend: str, work: int, seconds: float, attention: float = 0.0) -> None:
+        """A decision that saw ``work`` tokens ahead on ``backend`` (``attention``: their quadratic
+        part) got its first byte ``seconds`` after it was made."""
+        if not (seconds >= 0.0 and math.isfinite(seconds) and math.isfinite(attention)):
             return
-        self._fits.setdefault(backend, _Fit()).add(float(work), seconds)
+        self._fits.setdefault(backend, _Fit()).add(float(work), max(0.0, attention), seconds)
 
-    def predict(self, backend: str, work: int) -> float | None:
+    def predict(self, backend: str, work: int, attention: float = 0.0) -> float | None:
         """Expected seconds to the first byte, or None while the backend has answered too rarely."""
         fit = self._fits.get(backend)
         if fit is None or fit.n < MIN_SAMPLES:
             return None
-        a, b = fit.line()
-        return a + b * work
+        a, b, d = fit.model()
+        return a + b * work + d * attention
 
-    def budget_ms(self, backend: str, work: int, trusted: bool) -> int:
+    def budget_ms(self, backend: str, work: int, trusted: bool, attention: float = 0.0) -> int:
         """The first-byte timeout of one try on ``backend``; ``trusted``: its load is known and it is
         neither saturated nor short of KV cache."""
         c = self.config
-        expected = self.predict(backend, work) if trusted else None
+        expected = self.predict(backend, work, attention) if trusted else None
         if expected is None:
             return c.first_byte_timeout_ms
         ms = round(c.first_byte_margin * expected * 1000)
@@ -105,5 +143,10 @@ class FirstByteBudget:
         fit = self._fits.get(backend)
         if fit is None:
             return None
-        a, b = fit.line()
-        return {"samples": fit.n, "base_s": round(a, 4), "s_per_1k_tokens": round(b * 1000, 4)}
+        a, b, d = fit.model()
+        return {
+            "samples": fit.n,
+            "base_s": round(a, 4),
+            "s_per_1k_tokens": round(b * 1000, 4),
+            "s_per_1k_tokens_per_1k_context": round(d * 1000, 4),
+        }

@@ -27,7 +27,9 @@ class _Entry:
     at: float
     model: str | None = None
     prompt_bytes: int = 0  # the prompt's size, until the backend has counted its tokens (then 0)
+    attention: float = 0.0  # their quadratic part (kvgate.first_byte.attention_of)
     work: int = 0  # prefill tokens ahead of its first token when routed (others' queued and its own)
+    work_attention: float = 0.0  # and their quadratic part
     predicted: float | None = None  # its expected seconds to the first byte, when routed
 
 
@@ -38,6 +40,7 @@ class FirstByte(NamedTuple):
     work: int  # prefill tokens ahead of it when it was routed there
     seconds: float  # from the decision to its first-byte report
     predicted: float | None = None  # what was expected when it was routed (kvgate.first_byte)
+    attention: float = 0.0  # the quadratic part of ``work``
 
 
 class Served(NamedTuple):
@@ -59,6 +62,7 @@ class InflightLedger:
         self._dropped: dict[str, float] = {}  # decision id -> when its drop came
         self.counts: dict[str, int] = {}  # backend -> requests routed, not reported
         self.tokens: dict[str, int] = {}  # backend -> their uncached tokens
+        self.attention: dict[str, float] = {}  # backend -> those tokens' quadratic part
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -71,13 +75,15 @@ class InflightLedger:
         now: float,
         model: str | None = None,
         prompt_bytes: int = 0,
+        attention: float = 0.0,
     ) -> bool:
-        """Count a decision in flight on ``bid`` with ``tokens`` uncached prompt tokens; False when
-        Nginx dropped it already (its drop report overtook the decision)."""
+        """Count a decision in flight on ``bid`` with ``tokens`` uncached prompt tokens (``attention``:
+        their quadratic part); False when Nginx dropped it already (its drop report overtook the
+        decision)."""
         if self._dropped.pop(decision_id, None) is not None or not self._known(bid):
             return False
-        work = self.tokens.get(bid, 0) + tokens
-        entry = _Entry(bid, tokens, now, model, prompt_bytes, work)
+        entry = _Entry(bid, tokens, now, model, prompt_bytes, attention)
+        entry.work, entry.work_attention = self.ahead(bid, tokens, attention)
         self._count(entry)
         self._entries[decision_id] = entry
         return True
@@ -86,22 +92,35 @@ class InflightLedger:
         b = entry.backend
         self.counts[b] = self.counts.get(b, 0) + 1
         self.tokens[b] = self.tokens.get(b, 0) + entry.tokens
+        self.attention[b] = self.attention.get(b, 0.0) + entry.attention
 
     def _uncount(self, entry: _Entry) -> None:
         """Where the counts ``_count`` raised come down: a decision that ended, or moved."""
         b = entry.backend
         self.counts[b] = max(0, self.counts.get(b, 0) - 1)
-        self.tokens[b] = max(0, self.tokens.get(b, 0) - entry.tokens)
+        self._unqueue(entry)
 
-    def move(self, decision_id: str, bid: str, tokens: int) -> None:
+    def _unqueue(self, entry: _Entry) -> None:
+        """Its prefill no longer waits on its backend (it ended, moved, or its first byte came)."""
+        b = entry.backend
+        self.tokens[b] = max(0, self.tokens.get(b, 0) - entry.tokens)
+        left = self.attention.get(b, 0.0) - entry.attention
+        self.attention[b] = left if left > 1e-6 else 0.0  # float sums: no residue below zero
+        entry.tokens, entry.attention = 0, 0.0
+
+    def ahead(self, bid: str, tokens: int = 0, attention: float = 0.0) -> tuple[int, float]:
+        """The prefill queued on ``bid`` (tokens, their quadratic part), plus a request's own."""
+        return self.tokens.get(bid, 0) + tokens, self.attention.get(bid, 0.0) + attention
+
+    def move(self, decision_id: str, bid: str, tokens: int, attention: float = 0.0) -> None:
         """The decision now goes to ``bid`` with ``tokens`` uncached prompt tokens (the session it
         belongs to turned out bound there). Nothing when it ended meanwhile (dropped by Nginx)."""
         entry = self._entries.get(decision_id)
         if entry is None or not self._known(bid):
             return
         self._uncount(entry)
-        entry.backend, entry.tokens = bid, tokens
-        entry.work = self.tokens.get(bid, 0) + tokens
+        entry.backend, entry.tokens, entry.attention = bid, tokens, attention
+        entry.work, entry.work_attention = self.ahead(bid, tokens, attention)
         self._count(entry)
 
     def served(self, decision_id: str) -> Served | None:
@@ -135,18 +154,18 @@ class InflightLedger:
         if entry is None or entry.work < 0:
             return None
         b = entry.backend
-        self.tokens[b] = max(0, self.tokens.get(b, 0) - entry.tokens)
-        entry.tokens = 0
+        self._unqueue(entry)
         work, entry.work = entry.work, -1  # once per request
-        return FirstByte(b, work, now - entry.at, entry.predicted) if backend == b else None
+        seconds = now - entry.at
+        return FirstByte(b, work, seconds, entry.predicted, entry.work_attention) if backend == b else None
 
-    def expect(self, decision_id: str, predict: Callable[[str, int], float | None]) -> float | None:
+    def expect(self, decision_id: str, predict: Callable[[str, int, float], float | None]) -> float | None:
         """The decision's expected seconds to its first byte on its backend, from the prefill ahead
-        of it there (``predict(backend, work)``), kept to be set against what comes."""
+        of it there (``predict(backend, tokens, attention)``), kept to be set against what comes."""
         entry = self._entries.get(decision_id)
         if entry is None or entry.work < 0:
             return None
-        entry.predicted = predict(entry.backend, entry.work)
+        entry.predicted = predict(entry.backend, entry.work, entry.work_attention)
         return entry.predicted
 
     def expire(self, now: float) -> None:

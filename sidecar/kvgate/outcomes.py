@@ -70,7 +70,7 @@ class Outcomes:
             if answered.predicted is not None and answered.seconds > 0:
                 error = abs(answered.seconds - answered.predicted) / answered.seconds
                 self.metrics.of(self.metrics.ttft_prediction_error, o.backend).observe(error)
-            self.first_byte.learn(answered.backend, answered.work, answered.seconds)
+            self.first_byte.learn(answered.backend, answered.work, answered.seconds, answered.attention)
             if len(self.first_byte) > len(self.registry.backends):
                 self.first_byte.forget(set(self.registry.backends))
         if o.response_id is not None:

@@ -19,7 +19,7 @@ from kvgate.config import Config, Objective, PolicyName
 from kvgate.exact_index import ExactIndex
 from kvgate.expected import expected, fastest, to_front
 from kvgate.features import Features
-from kvgate.first_byte import FirstByteBudget
+from kvgate.first_byte import FirstByteBudget, attention_of
 from kvgate.messages import Candidate
 from kvgate.metrics import SidecarMetrics
 from kvgate.policies import Decision, Reason, Request, SessionAction, Snapshot, decide, uncached_tokens
@@ -207,8 +207,12 @@ class Planner:
         """Each backend's expected seconds to the plan's first byte, now and idle (``kvgate.expected``),
         from what it would prefill there (``own``, else counted here)."""
         own = self._own(plan) if own is None else own
+        prompt = plan.req.features.est_tokens
         return expected(
-            plan.snap.nodes, self.registry.ledger.tokens, own.__getitem__, self.first_byte.predict
+            plan.snap.nodes,
+            self.registry.ledger.ahead,
+            lambda n: (own[n], attention_of(own[n], prompt)),
+            self.first_byte.predict,
         )
 
     @staticmethod
@@ -288,17 +292,20 @@ class Planner:
         """Each candidate's first-byte timeout: the prefill ahead of this request there, as the
         policy saw it. Backends outside the plan's snapshot (decoders) or with untrusted load get
         the ceiling."""
-        snap, req = plan.snap, plan.req
-        queued = self.registry.ledger.tokens
+        snap, req, ledger = plan.snap, plan.req, self.registry.ledger
+        prompt = req.features.est_tokens
         out = []
         for b in ids:
-            work = queued.get(b, 0) - (counted[1] if b == counted[0] else 0)
-            work += self.uncached(req.features, req.prefix_depth.get(b, 0), b)
+            work, attention = ledger.ahead(b)
+            if b == counted[0]:
+                work, attention = work - counted[1], attention - attention_of(counted[1], prompt)
+            mine = self.uncached(req.features, req.prefix_depth.get(b, 0), b)
+            work, attention = work + mine, max(0.0, attention + attention_of(mine, prompt))
             node = snap.nodes.get(b)
             trusted = (
                 node is not None and node.load.known and not node.load.kv_short and not snap.saturated(b)
             )
-            out.append(self.first_byte.budget_ms(b, work, trusted))
+            out.append(self.first_byte.budget_ms(b, work, trusted, attention))
         return tuple(out)
 
 

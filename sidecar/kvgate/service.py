@@ -31,7 +31,7 @@ from kvgate.affinity import Affinity
 from kvgate.config import Config, DispatchOrder, PolicyName
 from kvgate.exact_index import ExactIndex
 from kvgate.features import Features
-from kvgate.first_byte import FirstByteBudget
+from kvgate.first_byte import FirstByteBudget, attention_of
 from kvgate.limits import RateLimiter
 from kvgate.messages import Outcome
 from kvgate.metrics import SidecarMetrics
@@ -214,21 +214,23 @@ class DecisionService:
             return self.planner.uncached(f, req.prefix_depth.get(backend, 0), backend)
 
         primary = decision.candidates[0]
-        ledger = self.registry.ledger
-        ledger.start(did, primary, uncached(primary), ledger.clock(), f.model, f.prompt_bytes)
+        ledger, own = self.registry.ledger, uncached(primary)
+        ledger.start(
+            did, primary, own, ledger.clock(), f.model, f.prompt_bytes, attention_of(own, f.est_tokens)
+        )
         if policy is PolicyName.KVGATE and f.key and snap.nodes:
             decision = await self.affinity.settle(f.key, decision, req, snap, policy, plan.confirmed)
             plan = dataclasses.replace(plan, decision=decision)
             if decision.candidates[0] != primary:
-                primary = decision.candidates[0]
-                self.registry.ledger.move(did, primary, uncached(primary))
+                primary, own = decision.candidates[0], uncached(decision.candidates[0])
+                self.registry.ledger.move(did, primary, own, attention_of(own, f.est_tokens))
         if f.hashes and policy.reads_prefixes:
             self.index.record(f.hashes, primary, plan.matched)
             self.planner.count_routed(f, req.prefix_depth.get(primary, 0), primary)
         self.metrics.of(self.metrics.decisions, policy.value, decision.label).inc()
         self.metrics.decision_latency.observe(time.perf_counter() - t0)
         predicted = self.registry.ledger.expect(did, self.first_byte.predict)
-        routed = self.planner.routed(did, policy, plan, priority, (primary, uncached(primary)), predicted)
+        routed = self.planner.routed(did, policy, plan, priority, (primary, own), predicted)
         self.metrics.of(self.metrics.reuse_tokens, "available").inc(routed.reuse[0])
         self.metrics.of(self.metrics.reuse_tokens, "captured").inc(routed.reuse[1])
         if (objective := self.slo.objective(f)) is not None:
