@@ -70,6 +70,20 @@ def test_attention_that_costs_nothing_stays_out_of_the_fit() -> None:
     assert abs(d["s_per_1k_tokens"] - 0.03) < 0.003
 
 
+def test_attention_that_is_a_small_share_of_the_first_byte_stays_out_of_the_fit() -> None:
+    """Attention that is real but small beside the tokens (a GPU's, at a few per cent of a long
+    prefill) would explain the curvature noise-free, yet costs little where the line already holds:
+    the line stays."""
+    b = budget()
+    rng = random.Random(9)
+    for _ in range(200):
+        n = rng.randrange(100, 8_000)
+        q = attention_of(n, n)
+        b.learn("gpu", n, 0.05 + 3e-5 * n + 3e-7 * q, q)
+    d = b.describe("gpu")
+    assert d is not None and d["s_per_1k_tokens_per_1k_context"] == 0.0
+
+
 def test_answers_all_of_one_size_give_a_rate_through_zero() -> None:
     b = budget(first_byte_min_ms=100)
     for _ in range(10):

@@ -38,10 +38,13 @@ MAX_SECONDS_PER_TOKEN = 0.01  # 100 tokens/s: slower than any real prefill; boun
 
 
 MAX_SECONDS_PER_ATTENTION = 0.01  # per token per 1,000 tokens of context: the same bound
-# Attention enters the fit only when it explains this share of what tokens alone leave unexplained:
-# on a fleet where it costs little it is mostly a second copy of the tokens, and fitting noise with
-# it made the trace's predictions worse (virtual, 4 H100 profiles: error p50 13 % -> 17 %).
+# Attention enters the fit only when it explains this share of what tokens alone leave unexplained,
+# and accounts for at least ATTENTION_SHARE of the mean first byte: where a prefill's cost follows
+# its tokens (a GPU at 8B scale) it is mostly a second copy of them that fits the queues' noise.
+# Without the first test the trace's error p50 on 4 H100 profiles rose from 13 % to 17 %; without
+# the second, the quiet tenant's p90 of `kvgate-bench fairness` rose by 3-11 %.
 ATTENTION_GAIN = 0.3
+ATTENTION_SHARE = 0.5
 
 
 def attention_of(uncached: int, prompt: int) -> float:
@@ -96,7 +99,7 @@ class _Fit:
                 if b >= 0 and d >= 0:
                     fits.append((b * sty + d * sqy, b, d))
         bar = line[0] + ATTENTION_GAIN * (syy - line[0])
-        _, b, d = max(f for f in fits if f is line or f[0] > bar)
+        _, b, d = max(f for f in fits if f is line or (f[0] > bar and f[2] * mq >= ATTENTION_SHARE * my))
         b, d = min(b, MAX_SECONDS_PER_TOKEN), min(d, MAX_SECONDS_PER_ATTENTION)
         return max(0.0, my - b * mt - d * mq), b, d
 
