@@ -14,8 +14,8 @@ replica has routed to it and not yet seen answered, plus the part of this prompt
 context it attends to), and ``a``, ``b``, ``d`` are fitted per backend, by least squares with
 exponential decay and no negative cost, to the time from each decision to its first-byte report
 against the work the decision saw. Attention is a small share of a prefill on a GPU at 8B scale (the
-fit gives it no weight there) and most of a long prefill on a small model or a CPU: with tokens alone
-the prediction for a 16k-token prompt there came out a fraction of what it took.
+fit leaves it out there: ``ATTENTION_SHARE``) and most of a long prefill on a small model or a CPU:
+with tokens alone the prediction for a 16k-token prompt there came out a fraction of what it took.
 
 The same read timeout also bounds every later silence of a stream (vLLM sends a stream's headers at
 once and its first event with the first token), where it can only cut a stream the client already
@@ -35,8 +35,6 @@ from kvgate.config import GatewayConfig
 MIN_SAMPLES = 5  # answers a backend must have given before its prediction is used
 DECAY = 0.97  # each new answer's weight against the past: the fit follows about the last 30
 MAX_SECONDS_PER_TOKEN = 0.01  # 100 tokens/s: slower than any real prefill; bounds a noisy slope
-
-
 MAX_SECONDS_PER_ATTENTION = 0.01  # per token per 1,000 tokens of context: the same bound
 # Attention enters the fit only when it explains this share of what tokens alone leave unexplained,
 # and accounts for at least ATTENTION_SHARE of the mean first byte: where a prefill's cost follows
@@ -81,7 +79,8 @@ class _Fit:
     def model(self) -> tuple[float, float, float]:
         """(seconds at no work, seconds per token, seconds per token per 1,000 tokens of context),
         all at least 0. The line on tokens, unless adding attention (alone or beside tokens, with no
-        negative cost) explains at least ``ATTENTION_GAIN`` of what that line leaves unexplained."""
+        negative cost) explains at least ``ATTENTION_GAIN`` of what that line leaves unexplained and
+        takes at least ``ATTENTION_SHARE`` of the mean first byte."""
         w = self.w
         mt, mq, my = self.t / w, self.q / w, self.y / w
         stt, sqq, stq = self.tt / w - mt * mt, self.qq / w - mq * mq, self.tq / w - mt * mq
