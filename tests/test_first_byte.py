@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from kvgate.config import GatewayConfig
 from kvgate.first_byte import MIN_SAMPLES, FirstByteBudget, attention_of
@@ -36,36 +37,38 @@ def test_the_fit_finds_the_base_and_the_cost_per_token() -> None:
     assert b.budget_ms("a", 1_000_000, trusted=True) == 60_000  # the ceiling holds
 
 
+def learned(seed: int, seconds: Callable[[int, float, random.Random], float]) -> FirstByteBudget:
+    """A fit on 200 new prompts of 100 to 8,000 tokens whose first bytes take ``seconds(tokens,
+    attention, rng)``, on backend ``a``."""
+    b = budget()
+    rng = random.Random(seed)
+    for _ in range(200):
+        n = rng.randrange(100, 8_000)
+        q = attention_of(n, n)
+        b.learn("a", n, seconds(n, q, rng), q)
+    return b
+
+
 def test_attention_is_learned_where_long_prefills_cost_more_than_their_tokens() -> None:
     """A small model on a CPU (measured on real vLLM here): 18 ms, 14.6 us per token and 52 us per
     token per 1,000 tokens of context it attends to. A line on tokens alone would put a 16k-token
     prompt at a fraction of what it takes; the fit with attention gets it within a few per cent."""
-    b = budget()
-    rng = random.Random(5)
-    for _ in range(200):
-        n = rng.randrange(100, 8_000)
-        q = attention_of(n, n)
-        b.learn("cpu", n, 0.018 + 14.6e-6 * n + 52e-6 * q, q)
+    b = learned(5, lambda n, q, _: 0.018 + 14.6e-6 * n + 52e-6 * q)
     truth = 0.018 + 14.6e-6 * 16_000 + 52e-6 * attention_of(16_000, 16_000)
-    got = b.predict("cpu", 16_000, attention_of(16_000, 16_000))
+    got = b.predict("a", 16_000, attention_of(16_000, 16_000))
     assert got is not None and abs(got - truth) / truth < 0.05
-    d = b.describe("cpu")
+    d = b.describe("a")
     assert d is not None and abs(d["s_per_1k_tokens_per_1k_context"] - 0.052) < 0.005
     # The same prompt behind 8k cached tokens attends to more: it is expected to take longer.
-    behind = b.predict("cpu", 2_000, attention_of(2_000, 10_000))
-    alone = b.predict("cpu", 2_000, attention_of(2_000, 2_000))
+    behind = b.predict("a", 2_000, attention_of(2_000, 10_000))
+    alone = b.predict("a", 2_000, attention_of(2_000, 2_000))
     assert behind is not None and alone is not None and behind > 2 * alone
 
 
 def test_attention_that_costs_nothing_stays_out_of_the_fit() -> None:
     """On a GPU at 8B scale the first byte follows the tokens; attention, which grows with them, must
     not take their weight by fitting the noise."""
-    b = budget()
-    rng = random.Random(7)
-    for _ in range(200):
-        n = rng.randrange(100, 8_000)
-        b.learn("gpu", n, 0.02 + 3e-5 * n + rng.uniform(-0.01, 0.01), attention_of(n, n))
-    d = b.describe("gpu")
+    d = learned(7, lambda n, _, rng: 0.02 + 3e-5 * n + rng.uniform(-0.01, 0.01)).describe("a")
     assert d is not None and d["s_per_1k_tokens_per_1k_context"] == 0.0
     assert abs(d["s_per_1k_tokens"] - 0.03) < 0.003
 
@@ -74,13 +77,7 @@ def test_attention_that_is_a_small_share_of_the_first_byte_stays_out_of_the_fit(
     """Attention that is real but small beside the tokens (a GPU's, at a few per cent of a long
     prefill) would explain the curvature noise-free, yet costs little where the line already holds:
     the line stays."""
-    b = budget()
-    rng = random.Random(9)
-    for _ in range(200):
-        n = rng.randrange(100, 8_000)
-        q = attention_of(n, n)
-        b.learn("gpu", n, 0.05 + 3e-5 * n + 3e-7 * q, q)
-    d = b.describe("gpu")
+    d = learned(9, lambda n, q, _: 0.05 + 3e-5 * n + 3e-7 * q).describe("a")
     assert d is not None and d["s_per_1k_tokens_per_1k_context"] == 0.0
 
 
