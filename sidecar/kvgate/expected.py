@@ -18,9 +18,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 
+from kvgate.first_byte import Work
 from kvgate.policies import Decision, Reason
-
-Work = tuple[int, float]  # prefill tokens and their quadratic part (kvgate.first_byte.attention_of)
 
 
 def expected(

@@ -45,6 +45,9 @@ ATTENTION_GAIN = 0.3
 ATTENTION_SHARE = 0.5
 
 
+Work = tuple[int, float]  # prefill tokens and their attention (``attention_of``)
+
+
 def attention_of(uncached: int, prompt: int) -> float:
     """The quadratic part of prefilling a prompt's last ``uncached`` tokens: each of them times the
     context it attends to (the cached part plus half the uncached), in thousands of tokens."""

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvgate.first_byte import Work
+
 INFLIGHT_EXPIRY_S = 600.0  # a decision never reported (gateway crash) stops counting after this
 DROP_MEMORY_S = 10.0  # a drop that overtook its decision keeps that decision from counting
 DROP_MEMORY_MAX = 100_000
@@ -108,7 +110,7 @@ class InflightLedger:
         self.attention[b] = left if left > 1e-6 else 0.0  # float sums: no residue below zero
         entry.tokens, entry.attention = 0, 0.0
 
-    def ahead(self, bid: str, tokens: int = 0, attention: float = 0.0) -> tuple[int, float]:
+    def ahead(self, bid: str, tokens: int = 0, attention: float = 0.0) -> Work:
         """The prefill queued on ``bid`` (tokens, their quadratic part), plus a request's own."""
         return self.tokens.get(bid, 0) + tokens, self.attention.get(bid, 0.0) + attention
 

@@ -19,7 +19,7 @@ from kvgate.config import Config, Objective, PolicyName
 from kvgate.exact_index import ExactIndex
 from kvgate.expected import expected, fastest, to_front
 from kvgate.features import Features
-from kvgate.first_byte import FirstByteBudget, attention_of
+from kvgate.first_byte import FirstByteBudget, Work, attention_of
 from kvgate.messages import Candidate
 from kvgate.metrics import SidecarMetrics
 from kvgate.policies import Decision, Reason, Request, SessionAction, Snapshot, decide, uncached_tokens
@@ -178,15 +178,20 @@ class Planner:
         if past_share:
             return not snap.room_past_share(first, q.fair_prefill_tokens, q.fair_reserve, q.fair_kv)
         own = self._own(plan)
-        if snap.fits(first, own[first]):
+        if snap.fits(first, own[first][0]):
             return False
         strict = plan.req.features.key_source == "response"
-        return strict or not any(snap.fits(n, own[n]) for n in snap.nodes)
+        return strict or not any(snap.fits(n, own[n][0]) for n in snap.nodes)
 
-    def _own(self, plan: Plan) -> dict[str, int]:
-        """Prompt tokens each backend of the plan would prefill for its request (``uncached``)."""
+    def _own(self, plan: Plan) -> dict[str, Work]:
+        """What each backend of the plan would prefill for its request (``work``)."""
         f, depth = plan.req.features, plan.req.prefix_depth
-        return {n: self.uncached(f, depth.get(n, 0), n) for n in plan.snap.nodes}
+        return {n: self.work(f, depth.get(n, 0), n) for n in plan.snap.nodes}
+
+    def work(self, f: Features, depth_chunks: int, bid: str) -> Work:
+        """The prefill ``bid`` would do for this request: its uncached tokens and their attention."""
+        tokens = self.uncached(f, depth_chunks, bid)
+        return tokens, attention_of(tokens, f.est_tokens)
 
     def uncached(self, f: Features, depth_chunks: int, bid: str) -> int:
         """Prompt tokens ``bid`` will likely prefill for this request (``kvgate.realized``)."""
@@ -203,17 +208,11 @@ class Planner:
         if len(r) > len(self.registry.backends):
             r.forget(self.registry.backends)
 
-    def _expected(self, plan: Plan, own: dict[str, int] | None = None) -> dict[str, tuple[float, float]]:
+    def _expected(self, plan: Plan, own: dict[str, Work] | None = None) -> dict[str, tuple[float, float]]:
         """Each backend's expected seconds to the plan's first byte, now and idle (``kvgate.expected``),
         from what it would prefill there (``own``, else counted here)."""
         own = self._own(plan) if own is None else own
-        prompt = plan.req.features.est_tokens
-        return expected(
-            plan.snap.nodes,
-            self.registry.ledger.ahead,
-            lambda n: (own[n], attention_of(own[n], prompt)),
-            self.first_byte.predict,
-        )
+        return expected(plan.snap.nodes, self.registry.ledger.ahead, own.__getitem__, self.first_byte.predict)
 
     @staticmethod
     def _movable(plan: Plan) -> bool:
@@ -239,8 +238,8 @@ class Planner:
         lim, first = snap.limits, plan.decision.candidates[0]
         own = self._own(plan)
         figures = self._expected(plan, own)
-        if not snap.fits(first, own[first]):
-            roomy = [n for n in snap.nodes if snap.fits(n, own[n])]
+        if not snap.fits(first, own[first][0]):
+            roomy = [n for n in snap.nodes if snap.fits(n, own[n][0])]
             if roomy:
                 best = min(roomy, key=lambda n: figures.get(n, (math.inf,))[0])  # unknown: last
                 return dataclasses.replace(plan, decision=to_front(plan.decision, best, Reason.TTFT))
@@ -267,7 +266,7 @@ class Planner:
         policy: PolicyName,
         plan: Plan,
         priority: int,
-        counted: tuple[str, int] = ("", 0),
+        counted: tuple[str, Work] = ("", (0, 0.0)),
         predicted: float | None = None,
     ) -> Routed:
         """The decision as Nginx gets it; ``counted``: the backend this request is already counted
@@ -288,19 +287,18 @@ class Planner:
             did, policy, plan.decision, pairs(ids), plan.pool, priority, prefill, budgets, reuse, predicted
         )
 
-    def _first_byte(self, plan: Plan, ids: tuple[str, ...], counted: tuple[str, int]) -> tuple[int, ...]:
+    def _first_byte(self, plan: Plan, ids: tuple[str, ...], counted: tuple[str, Work]) -> tuple[int, ...]:
         """Each candidate's first-byte timeout: the prefill ahead of this request there, as the
         policy saw it. Backends outside the plan's snapshot (decoders) or with untrusted load get
         the ceiling."""
         snap, req, ledger = plan.snap, plan.req, self.registry.ledger
-        prompt = req.features.est_tokens
         out = []
         for b in ids:
-            work, attention = ledger.ahead(b)
-            if b == counted[0]:
-                work, attention = work - counted[1], attention - attention_of(counted[1], prompt)
-            mine = self.uncached(req.features, req.prefix_depth.get(b, 0), b)
-            work, attention = work + mine, max(0.0, attention + attention_of(mine, prompt))
+            tokens, attention = self.work(req.features, req.prefix_depth.get(b, 0), b)
+            if b == counted[0]:  # the ledger has it already
+                tokens, attention = tokens - counted[1][0], attention - counted[1][1]
+            work, attention = ledger.ahead(b, tokens, attention)
+            attention = max(0.0, attention)
             node = snap.nodes.get(b)
             trusted = (
                 node is not None and node.load.known and not node.load.kv_short and not snap.saturated(b)

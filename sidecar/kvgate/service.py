@@ -31,7 +31,7 @@ from kvgate.affinity import Affinity
 from kvgate.config import Config, DispatchOrder, PolicyName
 from kvgate.exact_index import ExactIndex
 from kvgate.features import Features
-from kvgate.first_byte import FirstByteBudget, attention_of
+from kvgate.first_byte import FirstByteBudget, Work
 from kvgate.limits import RateLimiter
 from kvgate.messages import Outcome
 from kvgate.metrics import SidecarMetrics
@@ -210,20 +210,18 @@ class DecisionService:
         elsewhere, the count moves there."""
         decision, req, snap = plan.decision, plan.req, plan.snap
 
-        def uncached(backend: str) -> int:
-            return self.planner.uncached(f, req.prefix_depth.get(backend, 0), backend)
+        def work(backend: str) -> Work:
+            return self.planner.work(f, req.prefix_depth.get(backend, 0), backend)
 
         primary = decision.candidates[0]
-        ledger, own = self.registry.ledger, uncached(primary)
-        ledger.start(
-            did, primary, own, ledger.clock(), f.model, f.prompt_bytes, attention_of(own, f.est_tokens)
-        )
+        ledger, own = self.registry.ledger, work(primary)
+        ledger.start(did, primary, own[0], ledger.clock(), f.model, f.prompt_bytes, own[1])
         if policy is PolicyName.KVGATE and f.key and snap.nodes:
             decision = await self.affinity.settle(f.key, decision, req, snap, policy, plan.confirmed)
             plan = dataclasses.replace(plan, decision=decision)
             if decision.candidates[0] != primary:
-                primary, own = decision.candidates[0], uncached(decision.candidates[0])
-                self.registry.ledger.move(did, primary, own, attention_of(own, f.est_tokens))
+                primary, own = decision.candidates[0], work(decision.candidates[0])
+                self.registry.ledger.move(did, primary, *own)
         if f.hashes and policy.reads_prefixes:
             self.index.record(f.hashes, primary, plan.matched)
             self.planner.count_routed(f, req.prefix_depth.get(primary, 0), primary)
