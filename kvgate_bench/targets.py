@@ -88,18 +88,22 @@ def start_target(
     replicas: int = 1,
     slo: report.Slo = report.DEFAULT_SLO,
     sidecars: list[str] | None = None,
+    more: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[str]:
     """Start ``target`` in front of ``workers``; returns its base URLs once it routes (kvgate: one
     per gateway replica, ``replicas`` of them on one Redis; a peer router: one). ``peer_cpus`` (a
     ``taskset`` CPU list) pins a peer router, for a peer that would otherwise starve the simulators
     of CPU. ``slo``: the objective of the ``+slo`` variant. ``sidecars``: filled with kvgate's
-    sidecars' HTTP URLs (their metrics)."""
+    sidecars' HTTP URLs (their metrics). ``more``: kvgate's config sections, merged over the
+    variant's."""
     sidecars = [] if sidecars is None else sidecars
     kind, _, policy = target.partition(":")
     if kind == "kvgate":
         sidecars.clear()
         policy, _, flavour = policy.partition("+")
-        extra = variant(flavour, slo, time_scale) if flavour else {}
+        extra = dict(variant(flavour, slo, time_scale) if flavour else {})
+        for section, values in (more or {}).items():
+            extra[section] = {**extra.get(section, {}), **values}
         redis_port = free_port()
         sup.start_redis(redis_port)
         interval = max(50, int(virtual.SCRAPE_INTERVAL_S * 1000 / time_scale))  # as the replay's

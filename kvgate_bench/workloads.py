@@ -362,17 +362,7 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
             raise SystemExit(f"kvgate-bench: trace {args.trace} not found; pass --trace PATH")
         trace = load_trace(args.trace, args.start, args.duration, None, model, args.arrivals == "spread")
         block = getattr(args, "trace_block_tokens", TRACE_BLOCK_TOKENS)
-        if words != "filler" or block != TRACE_BLOCK_TOKENS:
-            trace = [
-                replace(
-                    r,
-                    words=words,
-                    block_tokens=block,
-                    prompt_tokens=max(1, -(-r.prompt_tokens * block // TRACE_BLOCK_TOKENS)),
-                )
-                for r in trace
-            ]
-        return _bounded(trace, args)
+        return _bounded(scaled(trace, words, block), args)
     filler = FILLERS[words]
     if args.workload in ("chat", "chat-sessions"):
         reqs = synthetic_chat(session_header=args.workload == "chat-sessions", model=model, filler=filler)
@@ -384,6 +374,22 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
     else:
         reqs = mixed(model=model, filler=filler)
     return _bounded(reqs, args)
+
+
+def scaled(trace: list[BenchRequest], words: str, block: int) -> list[BenchRequest]:
+    """Trace requests written in ``words``, each hash id standing for ``block`` tokens (prompts
+    shorter or longer in proportion, the same prefixes shared)."""
+    if words == "filler" and block == TRACE_BLOCK_TOKENS:
+        return trace
+    return [
+        replace(
+            r,
+            words=words,
+            block_tokens=block,
+            prompt_tokens=max(1, -(-r.prompt_tokens * block // TRACE_BLOCK_TOKENS)),
+        )
+        for r in trace
+    ]
 
 
 def _bounded(reqs: list[BenchRequest], args: argparse.Namespace) -> list[BenchRequest]:
