@@ -9,9 +9,10 @@ import json
 import random
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -78,6 +79,18 @@ def served_model(url: str) -> str:
         ) from None
 
 
+def carries_token(chunk: Mapping[str, Any]) -> bool:
+    """Whether a stream's chunk is its first token: it has text, or it ends the answer (a first
+    token that is end-of-sequence comes with no text, and is still the first token). Chat's opening
+    chunk, the role alone, carries none."""
+    choices = chunk.get("choices") or []
+    if not choices:
+        return False
+    c = choices[0]
+    text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+    return bool(text) or bool(c.get("finish_reason"))
+
+
 async def one_request(session: aiohttp.ClientSession, url: str, r: BenchRequest, body: bytes) -> Sample:
     t0 = time.perf_counter()
     first: float | None = None
@@ -98,14 +111,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, r: BenchRequest,
                 if not line.startswith(b"data: {"):
                     continue
                 if first is None:
-                    chunk = json.loads(line[6:])
-                    choices = chunk.get("choices") or []
-                    if not choices:
+                    if not carries_token(json.loads(line[6:])):
                         continue
-                    c = choices[0]
-                    text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
-                    if not text:
-                        continue  # the role chunk carries no token
                     first = time.perf_counter()
                     last = first
                     n = 1
