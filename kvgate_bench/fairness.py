@@ -1,4 +1,5 @@
-"""Two tenants, one flooding: does the quiet one keep its TTFT? Virtual time, the gateway queue on.
+"""Two tenants, one flooding: does the quiet one keep its TTFT? The gateway queue on; virtual time, or
+real time on real vLLM servers (``--real-vllm``, ``kvgate_bench.fairness_live``).
 
 Tenant ``quiet`` sends a window of the conversation trace at trace speed; tenant ``flood`` sends
 another window of it at ``--flood`` times that rate, over the same time, each under its own API key
@@ -9,6 +10,7 @@ with the backends it keeps clear for the tenant under its share (``queue.fair_re
 per tenant: mean, p50 and p90 TTFT of the requests served, and how many the gateway refused (429).
 
     kvgate-bench fairness --duration 300 --flood 3
+    kvgate-bench fairness --real-vllm 2 --trace-block-tokens 32 --duration 120 --flood 3
 """
 
 from __future__ import annotations
@@ -17,31 +19,68 @@ import argparse
 import dataclasses
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvgate.public import PolicyName
 
-from kvgate_bench import report, virtual
-from kvgate_bench.workloads import DEFAULT_TRACE, BenchRequest, load_trace
+from kvgate_bench import fairness_live, report, virtual
+from kvgate_bench.targets import real_fleet
+from kvgate_bench.workloads import DEFAULT_TRACE, TRACE_BLOCK_TOKENS, BenchRequest, load_trace, scaled
 from vllm_sim.profiles import get_profile
 
 QUIET, FLOOD = "quiet", "flood"
 
 
 def two_tenants(
-    trace: Path, duration: float, flood: float, gap: float = 1200.0
+    trace: Path,
+    duration: float,
+    flood: float,
+    gap: float = 1200.0,
+    words: str = "filler",
+    block: int = TRACE_BLOCK_TOKENS,
+    model: str = "sim-model",
 ) -> tuple[list[BenchRequest], list[str]]:
     """The quiet tenant's window (from 0 s) and the flood's (from ``gap`` s in the trace, its arrivals
     ``flood`` times as dense, over the same ``duration``), merged and renumbered; each request's
-    tenant."""
-    quiet = load_trace(trace, 0.0, duration, spread=True)
-    loud = load_trace(trace, gap, duration * flood, spread=True)
+    tenant. ``words``, ``block``: as ``workloads.scaled`` writes them (real vLLM)."""
+    quiet = scaled(load_trace(trace, 0.0, duration, model=model, spread=True), words, block)
+    loud = scaled(load_trace(trace, gap, duration * flood, model=model, spread=True), words, block)
     tagged = [(r.arrival, QUIET, r) for r in quiet] + [(r.arrival / flood, FLOOD, r) for r in loud]
     tagged.sort(key=lambda t: t[0])
     reqs = [dataclasses.replace(r, rid=i, arrival=at) for i, (at, _, r) in enumerate(tagged)]
     return reqs, [tenant for _, tenant, _ in tagged]
+
+
+def queue_section(order: str, reserve: int | None) -> dict[str, Any]:
+    """The gateway queue of a run; ``reserve``: ``queue.fair_reserve`` (None: the default)."""
+    queue: dict[str, Any] = {"enabled": True, "order": order, "max_wait_ms": 600_000}
+    if reserve is not None:
+        queue["fair_reserve"] = reserve
+    return queue
+
+
+def row(
+    label: str, tenants: Sequence[str], served: Mapping[int, float], rejected: int, failed: int = 0
+) -> dict[str, Any]:
+    """A run's line: per tenant, how many were sent and served and the served ones' TTFTs;
+    ``served``: each served request's TTFT by its index in ``tenants``."""
+    out: dict[str, Any] = {"order": label, "rejected": rejected, "failed": failed}
+    for tenant in sorted(set(tenants)):
+        ttfts = sorted(t for i, t in served.items() if tenants[i] == tenant)
+        out[tenant] = {
+            "sent": sum(1 for t in tenants if t == tenant),
+            "served": len(ttfts),
+            "mean": statistics.fmean(ttfts) if ttfts else float("nan"),
+            "p50": report.pct(ttfts, 0.5),
+            "p90": report.pct(ttfts, 0.9),
+        }
+    return out
+
+
+def label_of(order: str, reserve: int | None) -> str:
+    return order if reserve is None else f"{order}, reserve {reserve}"
 
 
 def run(
@@ -52,29 +91,29 @@ def run(
     profile: str,
     reserve: int | None = None,
 ) -> dict[str, Any]:
-    """One replay; ``reserve``: ``queue.fair_reserve`` (None: the default)."""
+    """One replay in virtual time; ``reserve``: ``queue.fair_reserve`` (None: the default)."""
     feats = [
         dataclasses.replace(f, client_key=t) for f, t in zip(virtual.features_for(reqs), tenants, strict=True)
     ]
-    queue: dict[str, Any] = {"enabled": True, "order": order, "max_wait_ms": 600_000}
-    if reserve is not None:
-        queue["fair_reserve"] = reserve
     result = virtual.replay(
-        reqs, feats, PolicyName.KVGATE, backends, get_profile(profile), extra={"queue": queue}
+        reqs,
+        feats,
+        PolicyName.KVGATE,
+        backends,
+        get_profile(profile),
+        extra={"queue": queue_section(order, reserve)},
     )
-    label = order if reserve is None else f"{order}, reserve {reserve}"
-    out: dict[str, Any] = {"order": label, "rejected": result.rejected}
-    for tenant in sorted(set(tenants)):
-        ttfts = sorted(r.ttft for r in result.results if tenants[r.rid] == tenant)
-        sent = sum(1 for t in tenants if t == tenant)
-        out[tenant] = {
-            "sent": sent,
-            "served": len(ttfts),
-            "mean": statistics.fmean(ttfts) if ttfts else float("nan"),
-            "p50": report.pct(ttfts, 0.5),
-            "p90": report.pct(ttfts, 0.9),
-        }
-    return out
+    served = {r.rid: r.ttft for r in result.results}
+    return row(label_of(order, reserve), tenants, served, result.rejected)
+
+
+# The runs side by side: (label, both tenants or the quiet one alone, queue order, fair_reserve).
+RUNS: tuple[tuple[str, bool, str, int | None], ...] = (
+    ("alone", False, "fcfs", None),
+    (label_of("fcfs", None), True, "fcfs", None),
+    (label_of("fair", 0), True, "fair", 0),  # the order alone
+    (label_of("fair", None), True, "fair", None),
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,33 +128,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backends", type=int, default=4)
     p.add_argument("--profile", default="llama3-8b-h100")
     p.add_argument("--out", default="bench-results/fairness")
+    p.add_argument(
+        "--real-vllm",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N real vLLM servers (make real-vllm) as the fleet, in real time through the whole gateway, "
+        "each tenant under its own API key; prompts in the words the tiny model tokenizes one to one",
+    )
+    p.add_argument("--real-blocks", type=int, default=256, help="--real-vllm: KV blocks of 128 tokens")
+    p.add_argument(
+        "--trace-block-tokens",
+        type=int,
+        default=TRACE_BLOCK_TOKENS,
+        help="tokens each trace hash id stands for (fewer: shorter prompts, the same shared prefixes)",
+    )
+    p.add_argument("--max-context", type=int, default=None, help="drop requests longer than this")
     args = p.parse_args(argv)
-    reqs, tenants = two_tenants(args.trace, args.duration, args.flood)
-    quiet_only = [i for i, t in enumerate(tenants) if t == QUIET]
-    alone_reqs = [dataclasses.replace(reqs[i], rid=n) for n, i in enumerate(quiet_only)]
-    rows = [
-        {**run(alone_reqs, [QUIET] * len(alone_reqs), "fcfs", args.backends, args.profile), "order": "alone"}
-    ]
-    rows.append(run(reqs, tenants, "fcfs", args.backends, args.profile))
-    rows.append(run(reqs, tenants, "fair", args.backends, args.profile, reserve=0))  # the order alone
-    rows.append(run(reqs, tenants, "fair", args.backends, args.profile))
+    words, model = "filler", "sim-model"
+    if args.real_vllm:
+        from vllm_real.fleet import MAX_MODEL_LEN, MODEL
+
+        words, model = "vocab", MODEL
+        args.max_context = args.max_context or MAX_MODEL_LEN
+    reqs, tenants = two_tenants(
+        args.trace, args.duration, args.flood, words=words, block=args.trace_block_tokens, model=model
+    )
+    if args.max_context:
+        fits = [i for i, r in enumerate(reqs) if r.prompt_tokens + r.output_tokens <= args.max_context]
+        reqs = [dataclasses.replace(reqs[i], rid=n) for n, i in enumerate(fits)]
+        tenants = [tenants[i] for i in fits]
+    out = Path(args.out)
+    rows = []
+    with real_fleet(args, out) as fleet:
+        for label, both, order, reserve in RUNS:
+            picked = [i for i, t in enumerate(tenants) if both or t == QUIET]
+            these = [dataclasses.replace(reqs[i], rid=n) for n, i in enumerate(picked)]
+            whose = [tenants[i] for i in picked]
+            if fleet:
+                served, refused, failed = fairness_live.replay(
+                    fleet, these, whose, queue_section(order, reserve), label, out
+                )
+                rows.append(row(label, whose, served, refused, failed))
+            else:
+                rows.append(
+                    {**run(these, whose, order, args.backends, args.profile, reserve), "order": label}
+                )
     alone = rows[0][QUIET]
     lines = [
         "| run | quiet: served / sent | mean | p50 | p90 TTFT (x alone) | flood: served / sent | p90 "
-        "| refused |",
-        "|---|---|---|---|---|---|---|---|",
+        "| refused | failed |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in rows:
-        q = row[QUIET]
-        f = row.get(FLOOD)
+    for line in rows:
+        q = line[QUIET]
+        f = line.get(FLOOD)
         flood = f"{f['served']} / {f['sent']} | {f['p90']:.3f} s" if f else "| "
         lines.append(
-            f"| {row['order']} | {q['served']} / {q['sent']} | {q['mean']:.3f} s | {q['p50']:.3f} s | "
-            f"{q['p90']:.3f} s ({q['p90'] / alone['p90']:.2f}x) | {flood} | {row['rejected']} |"
+            f"| {line['order']} | {q['served']} / {q['sent']} | {q['mean']:.3f} s | {q['p50']:.3f} s | "
+            f"{q['p90']:.3f} s ({q['p90'] / alone['p90']:.2f}x) | {flood} | {line['rejected']} | "
+            f"{line['failed']} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    out = Path(args.out)
     head = report.header(["fairness", *(sys.argv[1:] if argv is None else argv)])
     report.write_json(out / "fairness.json", {"header": head, "rows": rows})
     (out / "report.md").write_text(f"# Two tenants, one flooding\n\n`{head['command']}`\n\n{text}")
