@@ -37,6 +37,7 @@ from kvgate_bench.targets import (
     KVGATE_POLICIES,
     PEER_TARGETS,
     ensure_peer_venv,
+    pool_plan,
     prediction_error,
     real_fleet,
     reset_caches,
@@ -138,8 +139,18 @@ def run_target(
                 )
             workers = [f"http://127.0.0.1:{port + i}" for i in range(args.backends)]
         sidecars: list[str] = []
+        pools, labels = pool_plan(target, reqs, len(workers))
         urls = start_target(
-            sup, target, workers, args.time_scale, peer_cpus, replicas, report.Slo.from_args(args), sidecars
+            sup,
+            target,
+            workers,
+            args.time_scale,
+            peer_cpus,
+            replicas,
+            report.Slo.from_args(args),
+            sidecars,
+            more=pools,
+            labels=labels,
         )
         with RunCpu(proc.pid for proc in sup.procs.values()) as used:
             lr = asyncio.run(

@@ -21,6 +21,7 @@ from kvgate.tools.readiness import free_port, get_json, wait_listening, wait_rea
 
 from kvgate_bench import levers, report, virtual
 from kvgate_bench.cpu import wait_quiet
+from kvgate_bench.workloads import BenchRequest
 
 SERVER_NICE = 5  # real fleet: the servers' CPU priority below the router's and the client's
 
@@ -37,10 +38,26 @@ KVGATE_POLICIES = ["round_robin", "least_load", "consistent_hash", "prefix", "kv
 # ``kvgate:POLICY+VARIANT`` runs the gateway with more of its configuration on (sections merged into
 # its config). ``queue``: the whole compute-scheduling layer as the example config recommends it.
 # ``slo``: that and admission by TTFT objective (the run's SLO, every request sheddable).
+# ``pools``: length-bucketed pools as the levers table runs them (a quarter of the backends, at
+# least one, for the workload's longest quarter of prompts; spill by backlog, the default);
+# ``pools-queue``: those under the recommended queue.
 KVGATE_VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "queue": levers.RECOMMENDED,
     "slo": levers.RECOMMENDED,
+    "pools": {},
+    "pools-queue": levers.RECOMMENDED,
 }
+
+
+def pool_plan(
+    target: str, reqs: Sequence[BenchRequest], backends: int
+) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """A ``+pools`` target's pools section and each backend's labels, from the workload's prompts;
+    nothing for any other target."""
+    if not target.partition("+")[2].startswith("pools"):
+        return {}, []
+    section, labels = levers.pool_setup(virtual.features_for(reqs), backends)
+    return section, labels
 
 
 def variant(name: str, slo: report.Slo, time_scale: float) -> dict[str, dict[str, Any]]:
@@ -89,13 +106,14 @@ def start_target(
     slo: report.Slo = report.DEFAULT_SLO,
     sidecars: list[str] | None = None,
     more: Mapping[str, Mapping[str, Any]] | None = None,
+    labels: Sequence[Mapping[str, str]] = (),
 ) -> list[str]:
     """Start ``target`` in front of ``workers``; returns its base URLs once it routes (kvgate: one
     per gateway replica, ``replicas`` of them on one Redis; a peer router: one). ``peer_cpus`` (a
     ``taskset`` CPU list) pins a peer router, for a peer that would otherwise starve the simulators
     of CPU. ``slo``: the objective of the ``+slo`` variant. ``sidecars``: filled with kvgate's
     sidecars' HTTP URLs (their metrics). ``more``: kvgate's config sections, merged over the
-    variant's."""
+    variant's; ``labels``: each worker's labels (pools)."""
     sidecars = [] if sidecars is None else sidecars
     kind, _, policy = target.partition(":")
     if kind == "kvgate":
@@ -121,7 +139,10 @@ def start_target(
                     "stale_after_ms": 4 * interval,
                 },
                 "routing": {"policy": policy},
-                "backends": [{"id": f"sim-{i}", "url": u} for i, u in enumerate(workers)],
+                "backends": [
+                    {"id": f"sim-{i}", "url": u, "labels": dict(labels[i]) if labels else {}}
+                    for i, u in enumerate(workers)
+                ],
             }
             cfg["gateway"] = {"route_headers": True}  # the report counts each backend's share
             for section, values in extra.items():

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from kvgate.config import Config
 
-from kvgate_bench import report, targets
+from kvgate_bench import report, targets, virtual
+from kvgate_bench.workloads import BenchRequest
 
 
 def test_the_slo_variant_carries_the_run_s_objective_scaled_to_the_simulators_time() -> None:
@@ -27,3 +29,17 @@ def test_the_prediction_error_quantiles_read_a_histogram_as_prometheus_does() ->
     assert targets.histogram_quantile({0.1: 1.0, inf: 10.0}, 0.9) == 0.1
     assert targets.histogram_quantile({inf: 0.0}, 0.5) is None
     assert targets.prediction_error([]) == (0, None, None)
+
+
+def test_a_pools_target_splits_the_backends_by_the_workload_s_prompt_lengths() -> None:
+    reqs = [BenchRequest(i, 0.0, 8, i * 64, blocks=tuple(range(i))) for i in range(1, 41)]
+    assert targets.pool_plan("kvgate:kvgate+queue", reqs, 4) == ({}, [])
+    section, labels = targets.pool_plan("kvgate:kvgate+pools-queue", reqs, 4)
+    assert labels == [{"pool": "long"}, {"pool": "short"}, {"pool": "short"}, {"pool": "short"}]
+    backends = [{"url": f"http://127.0.0.1:{i + 1}", "labels": labels[i]} for i in range(4)]
+    cfg = Config.from_mapping({**section, "backends": backends})
+    short = cfg.pools.rules[0]
+    assert short.pool == "short" and short.max_prompt_tokens is not None
+    # The longest quarter of the prompts goes past the short pool's bound.
+    est = sorted(f.est_tokens for f in virtual.features_for(reqs))
+    assert sum(1 for t in est if t > short.max_prompt_tokens) == pytest.approx(len(est) / 4, abs=2)
