@@ -381,15 +381,11 @@ def scaled(trace: list[BenchRequest], words: str, block: int) -> list[BenchReque
     shorter or longer in proportion, the same prefixes shared)."""
     if words == "filler" and block == TRACE_BLOCK_TOKENS:
         return trace
-    return [
-        replace(
-            r,
-            words=words,
-            block_tokens=block,
-            prompt_tokens=max(1, -(-r.prompt_tokens * block // TRACE_BLOCK_TOKENS)),
-        )
-        for r in trace
-    ]
+
+    def tokens(r: BenchRequest) -> int:
+        return max(1, -(-r.prompt_tokens * block // TRACE_BLOCK_TOKENS))
+
+    return [replace(r, words=words, block_tokens=block, prompt_tokens=tokens(r)) for r in trace]
 
 
 def _bounded(reqs: list[BenchRequest], args: argparse.Namespace) -> list[BenchRequest]:
