@@ -26,8 +26,17 @@ from typing import Any
 from kvgate.public import PolicyName
 
 from kvgate_bench import fairness_live, report, virtual
-from kvgate_bench.targets import real_fleet
-from kvgate_bench.workloads import DEFAULT_TRACE, TRACE_BLOCK_TOKENS, BenchRequest, load_trace, scaled
+from kvgate_bench.targets import add_real_args, fit_to_real, real_fleet
+from kvgate_bench.workloads import (
+    DEFAULT_TRACE,
+    SIM_MODEL,
+    TRACE_BLOCK_TOKENS,
+    BenchRequest,
+    add_scale_args,
+    load_trace,
+    scaled,
+    within,
+)
 from vllm_sim.profiles import get_profile
 
 QUIET, FLOOD = "quiet", "flood"
@@ -40,13 +49,17 @@ def two_tenants(
     gap: float = 1200.0,
     words: str = "filler",
     block: int = TRACE_BLOCK_TOKENS,
-    model: str = "sim-model",
+    model: str = SIM_MODEL,
+    most: int | None = None,
 ) -> tuple[list[BenchRequest], list[str]]:
     """The quiet tenant's window (from 0 s) and the flood's (from ``gap`` s in the trace, its arrivals
     ``flood`` times as dense, over the same ``duration``), merged and renumbered; each request's
-    tenant. ``words``, ``block``: as ``workloads.scaled`` writes them (real vLLM)."""
-    quiet = scaled(load_trace(trace, 0.0, duration, model=model, spread=True), words, block)
-    loud = scaled(load_trace(trace, gap, duration * flood, model=model, spread=True), words, block)
+    tenant. ``words``, ``block``: as ``workloads.scaled`` writes them (real vLLM); ``most``: the longest
+    request kept (``workloads.within``)."""
+    quiet = within(scaled(load_trace(trace, 0.0, duration, model=model, spread=True), words, block), most)
+    loud = within(
+        scaled(load_trace(trace, gap, duration * flood, model=model, spread=True), words, block), most
+    )
     tagged = [(r.arrival, QUIET, r) for r in quiet] + [(r.arrival / flood, FLOOD, r) for r in loud]
     tagged.sort(key=lambda t: t[0])
     reqs = [dataclasses.replace(r, rid=i, arrival=at) for i, (at, _, r) in enumerate(tagged)]
@@ -128,36 +141,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backends", type=int, default=4)
     p.add_argument("--profile", default="llama3-8b-h100")
     p.add_argument("--out", default="bench-results/fairness")
-    p.add_argument(
-        "--real-vllm",
-        type=int,
-        default=0,
-        metavar="N",
-        help="N real vLLM servers (make real-vllm) as the fleet, in real time through the whole gateway, "
-        "each tenant under its own API key; prompts in the words the tiny model tokenizes one to one",
-    )
-    p.add_argument("--real-blocks", type=int, default=256, help="--real-vllm: KV blocks of 128 tokens")
-    p.add_argument(
-        "--trace-block-tokens",
-        type=int,
-        default=TRACE_BLOCK_TOKENS,
-        help="tokens each trace hash id stands for (fewer: shorter prompts, the same shared prefixes)",
-    )
-    p.add_argument("--max-context", type=int, default=None, help="drop requests longer than this")
+    add_real_args(p)  # through the whole gateway, each tenant under its own API key
+    add_scale_args(p)
     args = p.parse_args(argv)
-    words, model = "filler", "sim-model"
-    if args.real_vllm:
-        from vllm_real.fleet import MAX_MODEL_LEN, MODEL
-
-        words, model = "vocab", MODEL
-        args.max_context = args.max_context or MAX_MODEL_LEN
+    args.model, args.words = None, "filler"
+    fit_to_real(args)  # the fleet's model and words with --real-vllm
     reqs, tenants = two_tenants(
-        args.trace, args.duration, args.flood, words=words, block=args.trace_block_tokens, model=model
+        args.trace,
+        args.duration,
+        args.flood,
+        words=args.words,
+        block=args.trace_block_tokens,
+        model=args.model or SIM_MODEL,
+        most=args.max_context,
     )
-    if args.max_context:
-        fits = [i for i, r in enumerate(reqs) if r.prompt_tokens + r.output_tokens <= args.max_context]
-        reqs = [dataclasses.replace(reqs[i], rid=n) for n, i in enumerate(fits)]
-        tenants = [tenants[i] for i in fits]
     out = Path(args.out)
     rows = []
     with real_fleet(args, out) as fleet:

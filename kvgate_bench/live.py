@@ -36,7 +36,9 @@ from kvgate_bench.stream_client import (
 from kvgate_bench.targets import (
     KVGATE_POLICIES,
     PEER_TARGETS,
+    add_real_args,
     ensure_peer_venv,
+    fit_to_real,
     pool_plan,
     prediction_error,
     real_fleet,
@@ -210,21 +212,7 @@ def add_parsers(sub: Any) -> None:
         "--repeats", type=int, default=1, help="runs of each target (the report shows the spread)"
     )
     cp.add_argument("--peer-cpus", help="taskset CPU list for the peer routers, e.g. 1")
-    cp.add_argument(
-        "--real-vllm",
-        type=int,
-        default=0,
-        metavar="N",
-        help="N real vLLM servers (make real-vllm: the CPU build, the tiny model) as the fleet, started "
-        "once, their prefix caches reset before each run (real time: --time-scale is 1); prompts in "
-        "the words the tiny model tokenizes one to one",
-    )
-    cp.add_argument(
-        "--real-blocks",
-        type=int,
-        default=256,
-        help="--real-vllm: KV blocks (of 128 tokens) per server",
-    )
+    add_real_args(cp)  # real time: --time-scale is 1
     cp.add_argument(
         "--replicas",
         type=int,
@@ -238,10 +226,8 @@ def add_parsers(sub: Any) -> None:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if getattr(args, "real_vllm", 0):
-        from vllm_real.fleet import MAX_MODEL_LEN, MODEL
-
-        args.model, args.time_scale, args.words = args.model or MODEL, 1.0, "vocab"
-        args.max_context = args.max_context or MAX_MODEL_LEN  # longer ones vLLM refuses (400)
+        fit_to_real(args)
+        args.time_scale = 1.0
     if args.model is None:
         args.model = served_model(args.url) if args.mode == "live" else SIM_MODEL
         print(f"model: {args.model}", file=sys.stderr)  # compare starts simulators serving it

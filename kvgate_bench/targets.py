@@ -56,8 +56,7 @@ def pool_plan(
     nothing for any other target."""
     if not target.partition("+")[2].startswith("pools"):
         return {}, []
-    section, labels = levers.pool_setup(virtual.features_for(reqs), backends)
-    return section, labels
+    return levers.pool_setup(virtual.features_for(reqs), backends)
 
 
 def variant(name: str, slo: report.Slo, time_scale: float) -> dict[str, dict[str, Any]]:
@@ -179,6 +178,32 @@ def start_target(
         proc, "it lists the workers' model", lambda: bool(get_json(url + "/v1/models").get("data")), 60
     )
     return [url]
+
+
+def add_real_args(p: argparse.ArgumentParser) -> None:
+    """``--real-vllm N`` and its KV size: a fleet of real vLLM servers for every run."""
+    p.add_argument(
+        "--real-vllm",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N real vLLM servers (make real-vllm: the CPU build, the tiny model) as the fleet, started "
+        "once, their prefix caches reset before each run, in real time; prompts in the words the tiny "
+        "model tokenizes one to one",
+    )
+    p.add_argument(
+        "--real-blocks", type=int, default=256, help="--real-vllm: KV blocks (of 128 tokens) per server"
+    )
+
+
+def fit_to_real(args: argparse.Namespace) -> None:
+    """With ``--real-vllm``: the workload in the fleet's model and words, no longer than it takes
+    (longer ones vLLM refuses with 400)."""
+    if getattr(args, "real_vllm", 0):
+        from vllm_real.fleet import MAX_MODEL_LEN, MODEL
+
+        args.model, args.words = getattr(args, "model", None) or MODEL, "vocab"
+        args.max_context = args.max_context or MAX_MODEL_LEN
 
 
 @contextlib.contextmanager

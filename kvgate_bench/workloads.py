@@ -322,19 +322,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start", type=float, default=0.0, help="trace window start (s)")
     p.add_argument("--duration", type=float, default=None, help="trace window length (s)")
     p.add_argument("--limit", type=int, default=None, help="at most this many requests")
-    p.add_argument(
-        "--trace-block-tokens",
-        type=int,
-        default=TRACE_BLOCK_TOKENS,
-        help="trace: tokens each of its hash ids stands for (512 as recorded; fewer scales every prompt "
-        "down by that ratio and keeps which prompts share which prefixes)",
-    )
-    p.add_argument(
-        "--max-context",
-        type=int,
-        default=None,
-        help="drop requests whose prompt plus answer exceed this many tokens (a server's max_model_len)",
-    )
+    add_scale_args(p)
     p.add_argument(
         "--model", default=None, help=f"the model to ask for (live: the URL's first model; else {SIM_MODEL})"
     )
@@ -351,6 +339,17 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         default="file",
         help="trace: send requests that share a timestamp together (file) or spread over its slot",
     )
+
+
+def add_scale_args(p: argparse.ArgumentParser) -> None:
+    """How a trace is fitted to a fleet: its block size, and the longest request a server takes."""
+    block = (
+        "trace: tokens each of its hash ids stands for (512 as recorded; fewer scales every prompt down "
+        "by that ratio and keeps which prompts share which prefixes)"
+    )
+    p.add_argument("--trace-block-tokens", type=int, default=TRACE_BLOCK_TOKENS, help=block)
+    most = "drop requests whose prompt plus answer exceed this many tokens (a server's max_model_len)"
+    p.add_argument("--max-context", type=int, default=None, help=most)
 
 
 def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
@@ -390,8 +389,11 @@ def scaled(trace: list[BenchRequest], words: str, block: int) -> list[BenchReque
 
 def _bounded(reqs: list[BenchRequest], args: argparse.Namespace) -> list[BenchRequest]:
     """``--max-context`` (requests longer than a server takes left out, renumbered), then ``--limit``."""
-    most = getattr(args, "max_context", None)
-    if most:
-        kept = [r for r in reqs if r.prompt_tokens + r.output_tokens <= most]
-        reqs = [replace(r, rid=i) for i, r in enumerate(kept)]
+    reqs = within(reqs, getattr(args, "max_context", None))
     return reqs[: args.limit] if args.limit else reqs
+
+
+def within(reqs: list[BenchRequest], most: int | None) -> list[BenchRequest]:
+    """The requests whose prompt plus answer fit ``most`` tokens (None: all), renumbered."""
+    kept = [r for r in reqs if r.prompt_tokens + r.output_tokens <= most] if most else reqs
+    return [replace(r, rid=i) for i, r in enumerate(kept)] if most else reqs
