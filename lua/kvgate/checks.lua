@@ -19,6 +19,7 @@ local str_find   = string.find
 
 local MAX_DEPTH     = 64
 local MAX_TEXT      = 512    -- bytes of the session header or `user`
+local CONTROL       = "[%z\1-\8\10-\31\127]"  -- what a header value may not hold (a tab it may)
 local MAX_MODEL     = 256    -- bytes of `model`
 local MAX_TOKENS    = 2147483647
 local MIN_PRIORITY  = -2147483648
@@ -93,6 +94,11 @@ function _M.invalid(body, session)
         end
         if not utf8.valid(session) then
             return "The " .. conf.session_header .. " header is not valid UTF-8 text."
+        end
+        -- Nginx passes control bytes in a header value on to the backend, whose HTTP parser refuses
+        -- the whole request with a plain-text 400 after it was routed on them.
+        if str_find(session, CONTROL) then
+            return "The " .. conf.session_header .. " header contains a control character."
         end
     end
     for field, max in pairs(TEXT_FIELDS) do

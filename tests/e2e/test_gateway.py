@@ -472,3 +472,13 @@ def test_text_that_is_not_utf8_gets_400_and_the_sidecar_lives(
     assert status == 400 and "UTF-8" in err["error"]["message"] and err["error"]["param"] == param
     r = post(env.gw.url, chat(7100, 1))
     assert r.status_code == 200 and r.headers["X-Kvgate-Route"] != "fail-open"
+
+
+@pytest.mark.parametrize("value", [b"a\x01b", b"a\x1fb", b"a\x7fb"])
+def test_a_session_header_with_a_control_character_gets_400_from_the_gateway(env: Env, value: bytes) -> None:
+    """Nginx would route on it and pass it on, and the backend's parser refuse it in plain text."""
+    body = b'{"model":"sim-model","messages":[{"role":"user","content":"x"}]}'
+    status, err = raw_request(env.gw.port, body, {"X-Session-ID": value})
+    assert status == 400 and "control character" in err["error"]["message"], err
+    status, _ = raw_request(env.gw.port, body, {"X-Session-ID": b"a\tb"})  # a tab is a header's own
+    assert status == 200
