@@ -178,6 +178,12 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
     p.add_argument("--profile", default="llama3-8b-h100", choices=sorted(PROFILES))
     p.add_argument("--prefill-backends", type=int, default=None, help="+pd: prefill backends (a quarter)")
+    p.add_argument(
+        "--index",
+        choices=["approximate", "exact"],
+        default="approximate",
+        help="exact: the sidecar gets each prompt's token ids and the engines' KV events",
+    )
     p.add_argument("--out", default="bench-results/levers")
     args = p.parse_args(argv)
     reqs = build_workload(args)
@@ -225,6 +231,7 @@ def main(argv: Sequence[str]) -> int:
                 routing=lv.routing,
                 extra=extra,
                 labels=labels,
+                index=args.index,
             )
             row = virtual.summarize_run(
                 f"{name} x{speedup:g}", run, ideal, sum(zero_q) / len(zero_q), speedup, slo

@@ -178,3 +178,39 @@ def test_a_dropped_waiting_request_ends_its_connections_wait() -> None:
         assert queued.waiting.future.cancelled() and len(svc.queue or ()) == 0
 
     asyncio.run(scenario())
+
+
+def test_a_cached_prompt_whose_holder_is_busy_goes_back_in_line_behind_a_short_new_one() -> None:
+    """Shortest-first orders by the prefill where a prompt is cached. When only a backend without its
+    prefix has room, the cached prompt would prefill all of it there: it is put back in line as that
+    long prompt, a short new one goes first, and it then leaves for its holder once that has room."""
+
+    async def scenario() -> None:
+        sc = service(queue={"enabled": True, "order": "shortest"})
+        svc, ledger = sc.service, sc.registry.ledger
+        context = tuple(f"ctx{i}" for i in range(15))  # 15 chunks of 512 bytes: 1,920 tokens
+        svc.index.record(context, "b0")
+        now = ledger.clock()
+        ledger.start("busy0", "b0", 5_000, now)  # both backends prefilling long prompts
+        ledger.start("busy1", "b1", 5_000, now)
+        asked = {
+            "cached": await svc.decide(Features(MODEL, None, "none", (*context, "q"), 8_000), "cached"),
+            "short": await svc.decide(feats(2_000, "s"), "short"),  # 500 tokens, held nowhere
+            "long": await svc.decide(feats(8_000, "l"), "long"),  # 2,000 tokens, held nowhere
+        }
+        assert all(isinstance(a, Queued) for a in asked.values())
+        queue = svc.queue
+        assert queue is not None and [w.decision_id for w in queue.in_order()] == ["cached", "short", "long"]
+        svc.report([Outcome.first("busy1", "b1")])  # b1 has room; b0, holding the context, has not
+        sent = {w.decision_id: r for w, r in await svc.dispatch()}
+        assert list(sent) == ["short"]  # the cached one would prefill 2,000 tokens on b1: not first
+        assert svc.metrics.queue_reordered._value.get() == 1
+        svc.report([Outcome.first("busy0", "b0"), Outcome.first("short", "b1")])
+        sent.update({w.decision_id: r for w, r in await svc.dispatch()})
+        routes = {did: r.candidates[0].id for did, r in sent.items() if isinstance(r, Routed)}
+        assert routes == {"short": "b1", "cached": "b0", "long": "b1"}
+        for did, backend in (("busy0", "b0"), ("busy1", "b1"), *routes.items()):
+            svc.report([Outcome.end(did, backend, 200, ttft=0.1)])
+        assert len(queue) == 0 and sum(ledger.counts.values()) == 0 and sum(ledger.tokens.values()) == 0
+
+    asyncio.run(scenario())

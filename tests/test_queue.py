@@ -54,6 +54,29 @@ def test_shortest_first_with_ageing_bounds_how_long_a_long_prompt_waits() -> Non
     assert order(q) == ["long", "tiny", "short", "mid"]
 
 
+def test_a_request_placeable_only_where_it_would_prefill_much_more_goes_back_in_line() -> None:
+    """Shortest-first by the prefill where a prompt is cached: a cached one that can go now only to a
+    backend without its prefix is put back in line as the long prompt it would be there; one that
+    would still prefill little, or no more than twice its key, or that aged, leaves as it is. Not
+    in the FCFS or fair orders, which do not order by prefill."""
+    q, clock = queue(order=DispatchOrder.SHORTEST, ageing_s=10.0)
+    cached = waiting(q, "cached", tokens=300)  # 8,000 tokens, all but 300 cached on a busy backend
+    waiting(q, "mid", tokens=4_000)
+    assert order(q) == ["cached", "mid"]
+    assert not q.reorder(cached, 1_500, budget=2_048)  # one step's prefill anywhere: it leaves
+    assert not q.reorder(cached, 500, budget=100)  # under twice its key
+    assert q.reorder(cached, 8_000, budget=2_048)
+    assert cached.tokens == 8_000 and order(q) == ["mid", "cached"]
+    assert not q.reorder(cached, 8_000, budget=2_048)  # in its new place it leaves
+    clock.t += 10
+    late = waiting(q, "late", tokens=300)
+    clock.t += 10
+    assert not q.reorder(late, 8_000, budget=2_048)  # aged: it goes where it can
+    for other in (DispatchOrder.FCFS, DispatchOrder.FAIR):
+        q, _ = queue(order=other)
+        assert not q.reorder(waiting(q, "cached", tokens=300), 8_000, budget=2_048)
+
+
 def test_ageing_by_fair_share_lets_a_long_prompt_wait_at_most_a_multiple_of_what_fcfs_would_give() -> None:
     """Dispatching one request a second, a long prompt that joins behind 4 others would wait about 4 s
     first come first served; with ageing_fair_share 2 it goes first once it has waited 8 s, long

@@ -141,6 +141,12 @@ class SidecarMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.queue_reordered = Counter(
+            "kvgate_queue_reordered",
+            "Shortest-first: waiting requests put back in line as longer ones, because the backend "
+            "holding their prefix had no room and any other would prefill much more of it.",
+            registry=r,
+        )
         self.ttft_prediction_error = Histogram(
             "kvgate_ttft_prediction_error",
             "|observed - predicted| / observed seconds to a decision's first byte, per backend: how "

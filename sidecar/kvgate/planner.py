@@ -188,6 +188,16 @@ class Planner:
         f, depth = plan.req.features, plan.req.prefix_depth
         return {n: self.work(f, depth.get(n, 0), n) for n in plan.snap.nodes}
 
+    def least_prefill(self, plan: Plan) -> int:
+        """The fewest prompt tokens any backend of the plan would prefill for its request: where most
+        of its prefix is held (the shortest-first key)."""
+        return min((w[0] for w in self._own(plan).values()), default=plan.req.features.est_tokens)
+
+    def prefill_at(self, plan: Plan) -> int:
+        """The prompt tokens the plan's pick would prefill for its request."""
+        first = plan.decision.candidates[0]
+        return self.uncached(plan.req.features, plan.req.prefix_depth.get(first, 0), first)
+
     def work(self, f: Features, depth_chunks: int, bid: str) -> Work:
         """The prefill ``bid`` would do for this request: its uncached tokens and their attention."""
         tokens = self.uncached(f, depth_chunks, bid)

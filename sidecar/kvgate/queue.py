@@ -7,9 +7,9 @@ must wait and dispatches them; Nginx holds the request itself (its connection to
 open while it waits, with a heartbeat, so a sidecar that dies never strands it).
 
 Order: lower priority value first (vLLM's sense), then by the configured order: first come first
-served; shortest estimated prompt first with ageing (a request that waited ``ageing_s``, or
-``ageing_fair_share`` times the wait first come first served would have given it, goes ahead of every
-younger one, in arrival order); or fair between tenants (``kvgate.tenants``: the smallest virtual
+served; least prefill first with ageing (a request that waited ``ageing_s``, or ``ageing_fair_share``
+times the wait first come first served would have given it, goes ahead of every younger one, in
+arrival order); or fair between tenants (``kvgate.tenants``: the smallest virtual
 finish tag first, first come first served within a tenant). Bounds: ``max_size`` waiting requests
 (past it a new one is refused), ``max_key_share`` of them for one API key (so that one key cannot
 fill the queue and refuse everyone else), and ``max_wait_s`` (past it a waiting one is refused);
@@ -33,6 +33,10 @@ from kvgate.features import Features
 from kvgate.tenants import TenantLedger, tenant_of
 
 RATE_HALF_LIFE_S = 10.0  # the dispatch-rate estimate behind Retry-After forgets at this pace
+# Shortest-first: a request ordered by the prefill its prefix's holder would do, but placeable now only
+# where it would prefill more than this many times that (and more than one step's budget), is put back
+# in line as the longer request it now is.
+REORDER_RATIO = 2.0
 
 
 class QueueFull(Exception):
@@ -57,7 +61,9 @@ class Waiting:
     policy: PolicyName
     priority: int
     arrived: float
-    tokens: int  # estimated prompt tokens, the shortest-first key
+    # The shortest-first key: the prompt tokens it would prefill where most of it is cached (shortest
+    # order), else its estimated prompt tokens (the fair order's service).
+    tokens: int
     fair_s: float = math.inf  # the wait FCFS would have given it (set when it joins the queue)
     ready: float = 0.0  # not dispatched before this (queue.gather_ms: a long prompt lets a burst by)
     # Live: the request's answer (a Routed, or QueueTimeout); None in virtual time.
@@ -137,25 +143,39 @@ class GatewayQueue:
             self._take(w.decision_id)
         return out
 
+    def _aged(self, w: Waiting, now: float) -> bool:
+        """Shortest-first: ``w`` waited long enough to go ahead of every younger request."""
+        waited, multiple = now - w.arrived, self.config.ageing_fair_share
+        return waited >= self.config.ageing_s or (multiple is not None and waited >= multiple * w.fair_s)
+
     def in_order(self) -> list[Waiting]:
         """Waiting requests in dispatch order."""
         now = self.clock()
-        ageing, multiple = self.config.ageing_s, self.config.ageing_fair_share
-
-        def aged(w: Waiting) -> bool:
-            waited = now - w.arrived
-            return waited >= ageing or (multiple is not None and waited >= multiple * w.fair_s)
-
         if self.config.order is DispatchOrder.FAIR:
             return self._fair(now)
         if self.config.order is DispatchOrder.SHORTEST:
             return sorted(
                 self._waiting.values(),
                 key=lambda w: (
-                    (w.priority, 0, w.arrived, 0) if aged(w) else (w.priority, 1, w.tokens, w.arrived)
+                    (w.priority, 0, w.arrived, 0)
+                    if self._aged(w, now)
+                    else (w.priority, 1, w.tokens, w.arrived)
                 ),
             )
         return sorted(self._waiting.values(), key=lambda w: (w.priority, w.arrived))
+
+    def reorder(self, w: Waiting, prefill: int, budget: int) -> bool:
+        """Shortest-first, as ``w`` is about to leave: it was ordered by the prefill where its prefix
+        is cached, but the backend it can go to now would prefill ``prefill`` tokens. Past
+        ``REORDER_RATIO`` times its key and one step's ``budget``, it takes that as its key and stays
+        (True): the shorter requests behind it go first, and it leaves in its new place, to its
+        prefix's holder if that has room by then. An aged request leaves as it is."""
+        if self.config.order is not DispatchOrder.SHORTEST or self._aged(w, self.clock()):
+            return False
+        if prefill <= budget or prefill <= REORDER_RATIO * w.tokens:
+            return False
+        w.tokens = prefill
+        return True
 
     def _fair(self, now: float) -> list[Waiting]:
         """Each request's virtual finish tag: its tenant's attained service, plus the tokens of that

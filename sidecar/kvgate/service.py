@@ -147,7 +147,9 @@ class DecisionService:
             self.metrics.of(self.metrics.tenant_past_share, label_of(tenant_of(f))).inc()
         live = asyncio.get_running_loop().create_future() if self._wake is not None else None
         now = queue.clock()
-        waiting = Waiting(did, f, policy, priority, now, f.est_tokens, future=live, ready=now + gather)
+        shortest = self.config.queue.order is DispatchOrder.SHORTEST
+        key = self.planner.least_prefill(plan) if shortest else f.est_tokens
+        waiting = Waiting(did, f, policy, priority, now, key, future=live, ready=now + gather)
         try:
             queue.add(waiting)
         except QueueFull as full:
@@ -282,6 +284,10 @@ class DecisionService:
                 if not strict:
                     blocked.add(f.model)
                 continue
+            budget = self.config.routing.limits.saturation_prefill_tokens
+            if plan.decision.candidates and queue.reorder(w, self.planner.prefill_at(plan), budget):
+                self.metrics.queue_reordered.inc()
+                continue  # its prefix's holder has no room: it waits its turn as the longer prompt
             if plan.decision.candidates:
                 routed = await self._commit(w.decision_id, w.policy, f, plan, w.priority, t0)
             else:

@@ -32,7 +32,8 @@ class QueueConfig:
     max_wait_s: float = millis(60_000, 10, 3_600_000, "a request that waited this long gets 429")
     order: DispatchOrder = choice(
         DispatchOrder.FCFS,
-        "fcfs: first come, first served; shortest: shortest estimated prompt first; fair: between "
+        "fcfs: first come, first served; shortest: least prefill first (the prompt tokens not cached "
+        "where it can go); fair: between "
         "tenants (API keys, else client addresses), least recent service first, first come first "
         "served within one",
     )
