@@ -9,6 +9,7 @@ Zipf weights (a few busy ones, a long tail), arrivals are Poisson.
 
 from __future__ import annotations
 
+import argparse
 import random
 from collections.abc import Callable
 
@@ -42,3 +43,21 @@ def cache_pressure(
         messages = [{"role": "system", "content": contexts[k]}, {"role": "user", "content": question}]
         out.append((t, messages, answer_tokens))
     return out
+
+
+def add_pressure_args(p: argparse.ArgumentParser) -> None:
+    """The workload's size, to fit a smaller fleet (a real one on CPU); defaults as above."""
+    p.add_argument("--pressure-tenants", type=int, default=160, help="pressure workload: tenants")
+    p.add_argument(
+        "--pressure-context", type=int, default=8_000, help="pressure workload: tokens of each context"
+    )
+    p.add_argument("--pressure-rate", type=float, default=10.0, help="pressure workload: arrivals per second")
+
+
+def from_args(args: argparse.Namespace, filler: Callable[[str, int], list[str]]) -> list[Arrival]:
+    return cache_pressure(
+        tenants=args.pressure_tenants,
+        context_tokens=args.pressure_context,
+        rate=args.pressure_rate,
+        filler=filler,
+    )

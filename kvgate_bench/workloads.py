@@ -30,8 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from kvgate_bench import report
-from kvgate_bench.pressure import cache_pressure
+from kvgate_bench import pressure, report
 from vllm_real import vocabulary
 from vllm_sim import tokenizer
 
@@ -318,6 +317,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
         "--reuse", type=float, default=0.8, help="reuse workload: share of requests that come back"
     )
     p.add_argument("--rate", type=float, default=4.0, help="reuse workload: arrivals per second")
+    pressure.add_pressure_args(p)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
     p.add_argument("--start", type=float, default=0.0, help="trace window start (s)")
     p.add_argument("--duration", type=float, default=None, help="trace window length (s)")
@@ -366,7 +366,7 @@ def build_workload(args: argparse.Namespace) -> list[BenchRequest]:
     if args.workload in ("chat", "chat-sessions"):
         reqs = synthetic_chat(session_header=args.workload == "chat-sessions", model=model, filler=filler)
     elif args.workload == "pressure":
-        arrivals = cache_pressure(filler=filler)
+        arrivals = pressure.from_args(args, filler)
         reqs = [_chat_request(i, t, m, n, model) for i, (t, m, n) in enumerate(arrivals)]
     elif args.workload == "reuse":
         reqs = reuse_rich(reuse=args.reuse, rate=args.rate, model=model, filler=filler)

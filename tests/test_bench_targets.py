@@ -43,3 +43,21 @@ def test_a_pools_target_splits_the_backends_by_the_workload_s_prompt_lengths() -
     # The longest quarter of the prompts goes past the short pool's bound.
     est = sorted(f.est_tokens for f in virtual.features_for(reqs))
     assert sum(1 for t in est if t > short.max_prompt_tokens) == pytest.approx(len(est) / 4, abs=2)
+
+
+def test_the_pressure_workload_takes_its_size_from_the_command_line() -> None:
+    """A smaller fleet (a real one on CPU) gets fewer, shorter contexts at its own rate; every request
+    starts with one of them."""
+    import argparse
+
+    from kvgate_bench.workloads import add_workload_args, build_workload
+
+    p = argparse.ArgumentParser()
+    add_workload_args(p)
+    size = ["--pressure-tenants", "4", "--pressure-context", "50", "--pressure-rate", "100"]
+    args = p.parse_args(["--workload", "pressure", "--limit", "300", *size])
+    reqs = build_workload(args)
+    assert len(reqs) == 300
+    contexts = {r.messages[0]["content"] for r in reqs}
+    assert len(contexts) == 4 and all(len(c.split()) == 50 for c in contexts)
+    assert 1.5 < reqs[-1].arrival < 6.0  # 300 Poisson arrivals at 100/s
