@@ -73,6 +73,7 @@ def both_serve_again(kvgate: Gateway, tokens: Tokens, victim: int) -> None:
     wait_until(lambda: idle(kvgate), timeout=2)
 
 
+@pytest.mark.restarts_fleet  # a server just started again is not the one the other tests measure
 def test_a_server_killed_mid_stream_gives_an_error_event_then_others_serve_and_it_is_readmitted(
     fleet: RealFleet, kvgate: Gateway, tokens: Tokens
 ) -> None:
