@@ -56,10 +56,11 @@ def two_tenants(
     ``flood`` times as dense, over the same ``duration``), merged and renumbered; each request's
     tenant. ``words``, ``block``: as ``workloads.scaled`` writes them (real vLLM); ``most``: the longest
     request kept (``workloads.within``)."""
-    quiet = within(scaled(load_trace(trace, 0.0, duration, model=model, spread=True), words, block), most)
-    loud = within(
-        scaled(load_trace(trace, gap, duration * flood, model=model, spread=True), words, block), most
-    )
+
+    def window(start: float, length: float) -> list[BenchRequest]:
+        return within(scaled(load_trace(trace, start, length, model=model, spread=True), words, block), most)
+
+    quiet, loud = window(0.0, duration), window(gap, duration * flood)
     tagged = [(r.arrival, QUIET, r) for r in quiet] + [(r.arrival / flood, FLOOD, r) for r in loud]
     tagged.sort(key=lambda t: t[0])
     reqs = [dataclasses.replace(r, rid=i, arrival=at) for i, (at, _, r) in enumerate(tagged)]

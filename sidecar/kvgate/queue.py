@@ -164,15 +164,20 @@ class GatewayQueue:
             )
         return sorted(self._waiting.values(), key=lambda w: (w.priority, w.arrived))
 
+    @property
+    def by_prefill(self) -> bool:
+        """Shortest-first: the order keys on the prefill a request needs (``Waiting.tokens``)."""
+        return self.config.order is DispatchOrder.SHORTEST
+
     def reorder(self, w: Waiting, prefill: int, budget: int) -> bool:
         """Shortest-first, as ``w`` is about to leave: it was ordered by the prefill where its prefix
         is cached, but the backend it can go to now would prefill ``prefill`` tokens. Past
         ``REORDER_RATIO`` times its key and one step's ``budget``, it takes that as its key and stays
         (True): the shorter requests behind it go first, and it leaves in its new place, to its
         prefix's holder if that has room by then. An aged request leaves as it is."""
-        if self.config.order is not DispatchOrder.SHORTEST or self._aged(w, self.clock()):
+        if not self.by_prefill or prefill <= max(budget, REORDER_RATIO * w.tokens):
             return False
-        if prefill <= budget or prefill <= REORDER_RATIO * w.tokens:
+        if self._aged(w, self.clock()):
             return False
         w.tokens = prefill
         return True

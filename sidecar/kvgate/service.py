@@ -147,8 +147,7 @@ class DecisionService:
             self.metrics.of(self.metrics.tenant_past_share, label_of(tenant_of(f))).inc()
         live = asyncio.get_running_loop().create_future() if self._wake is not None else None
         now = queue.clock()
-        shortest = self.config.queue.order is DispatchOrder.SHORTEST
-        key = self.planner.least_prefill(plan) if shortest else f.est_tokens
+        key = self.planner.least_prefill(plan) if queue.by_prefill else f.est_tokens
         waiting = Waiting(did, f, policy, priority, now, key, future=live, ready=now + gather)
         try:
             queue.add(waiting)
@@ -285,7 +284,11 @@ class DecisionService:
                     blocked.add(f.model)
                 continue
             budget = self.config.routing.limits.saturation_prefill_tokens
-            if plan.decision.candidates and queue.reorder(w, self.planner.prefill_at(plan), budget):
+            if (
+                queue.by_prefill
+                and plan.decision.candidates
+                and queue.reorder(w, self.planner.prefill_at(plan), budget)
+            ):
                 self.metrics.queue_reordered.inc()
                 continue  # its prefix's holder has no room: it waits its turn as the longer prompt
             if plan.decision.candidates:
