@@ -118,6 +118,8 @@ class Gateways:
                     float(e.counters.prefix_hits),
                     at,
                     float(e.counters.prompt_tokens),
+                    block_size=e.block_size,
+                    kv_blocks=e.config.num_gpu_blocks,
                 ),
             )
             core.service.tokens.counted(bid, float(e.counters.prompt_tokens), len(self.replicas))

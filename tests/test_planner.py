@@ -11,6 +11,7 @@ from kvgate.expected import to_front
 from kvgate.features import Features
 from kvgate.kv_events import BlockStored, EventBatch
 from kvgate.kv_hashes import chain
+from kvgate.load import Scraped
 from kvgate.planner import Plan
 from kvgate.policies import Reason
 from kvgate.sidecar import Sidecar
@@ -115,3 +116,36 @@ def test_a_partial_view_takes_the_deeper_of_the_two_indexes() -> None:
     sc.exact.apply("b0", 7, EventBatch(0.0, (BlockStored(tuple(chain(tokens, 16)[:5]), None, 16),), 0))
     p = plan(sc, exact_feats(tokens))
     assert p.req.prefix_depth["b0"] == 5 * 16 * 4 // 512  # partial (joined at 7): still counts
+
+
+def test_a_prefix_pushed_out_of_a_backends_cache_no_longer_counts_as_held() -> None:
+    evicted = pushed_out(core())
+    assert evicted == [{"b0": 8}, {"b0": 5}, {}]  # its tail went first, then all of it
+    # Off (a backend whose cache outlives its GPU memory): the index is trusted as it is.
+    kept = pushed_out(core(routing={"saturation_prefill_tokens": 1000, "prefix_eviction": False}))
+    assert kept == [{"b0": 8}] * 3
+
+
+def pushed_out(sc: Sidecar) -> list[dict[str, int]]:
+    """What b0 holds of an 8-chunk prompt the index has, after it, then after 3 and 5 more chunks
+    are sent into b0's 8-chunk cache."""
+    planner = sc.service.planner
+    # b0's cache: 64 blocks of 16 tokens, 8 chunks of 512 bytes at 4 bytes per token.
+    sc.registry.scrape_ok("b0", Scraped(0, 0, 0.1, None, None, time.monotonic(), kv_blocks=64, block_size=16))
+    sc.registry.changed()
+
+    def sent(name: str, n: int) -> Features:
+        f = Features(MODEL, None, "none", tuple(f"{name}{i}" for i in range(n)), n * 512)
+        sc.index.record(f.hashes, "b0")
+        planner.count_routed(f, 0, "b0")
+        return f
+
+    a = sent("a", 8)
+    held = [plan(sc, a).req.prefix_depth]
+    sent("x", 3)
+    held.append(plan(sc, a).req.prefix_depth)
+    sent("y", 5)
+    held.append(plan(sc, a).req.prefix_depth)
+    if not held[-1]:  # the index still has it, the cache not: the queue's key is the whole prompt
+        assert planner.least_prefill(plan(sc, a)) == a.est_tokens
+    return held

@@ -61,3 +61,16 @@ def test_a_restarted_engine_starts_a_new_mark_and_a_removed_backend_is_forgotten
     assert abs(r.share("b", scraped(11, 10_500, 2_500)) - 0.5) < 1e-9  # folds from the new mark
     r.forget({"other"})
     assert len(r) == 0 and r.share("b", None) == 1.0
+
+
+def test_the_share_of_a_backends_prompts_this_gateway_sent() -> None:
+    r, _ = served(9, 5_000, 2_500)  # the engine took what this gateway sent: all of it its own
+    assert r.own("b") == 1.0
+    r2 = Realized()
+    r2.routed("b", 0, 0)
+    r2.share("b", scraped(0, 0, 0))
+    for i in range(1, 10):  # another replica sends as much again
+        r2.routed("b", 10_000, 0)
+        r2.share("b", scraped(i, i * 20_000, 0))
+    assert abs(r2.own("b") - 0.5) < 1e-9
+    assert Realized().own("b") == 1.0  # unknown

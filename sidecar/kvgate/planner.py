@@ -18,14 +18,16 @@ from dataclasses import dataclass
 from kvgate.config import Config, Objective, PolicyName
 from kvgate.exact_index import ExactIndex
 from kvgate.expected import expected, fastest, to_front
-from kvgate.features import Features
+from kvgate.features import CHUNK_BYTES, Features
 from kvgate.first_byte import FirstByteBudget, Work, attention_of
+from kvgate.load import Scraped
 from kvgate.messages import Candidate
 from kvgate.metrics import SidecarMetrics
 from kvgate.policies import Decision, Reason, Request, SessionAction, Snapshot, decide, uncached_tokens
 from kvgate.prefix_index import Match, PrefixIndex
 from kvgate.realized import Realized
 from kvgate.registry import Registry
+from kvgate.residency import Residency
 from kvgate.sessions import SessionStore
 from kvgate.slo import Judgement, Verdict, judge
 
@@ -87,6 +89,7 @@ class Planner:
         self.config = config
         self.exact = exact
         self.realized = Realized()
+        self.residency = Residency()
         self.registry = registry
         self.sessions = sessions
         self.index = index
@@ -126,7 +129,7 @@ class Planner:
         uses_index = policy.reads_prefixes
         if uses_index and f.hashes and snap.nodes:
             match = self.index.match(f.hashes, snap.nodes)
-            depth, shared = match.depth, match.shared
+            depth, shared = self.residency.trim(f.hashes, match.depth), match.shared
         if uses_index and f.token_ids and self.exact is not None and snap.nodes:
             depth, shared = self.exact.prefix_depths(f, f.token_ids, list(snap.nodes), depth, shared)
         keyed = policy is PolicyName.KVGATE and f.key is not None and bool(snap.nodes)
@@ -209,14 +212,28 @@ class Planner:
         return self.realized.uncached(f, depth_chunks, bid, None if s is None else s.scraped)
 
     def count_routed(self, f: Features, depth_chunks: int, bid: str) -> None:
-        """A request was committed to ``bid``: what the index credited it with there is counted
-        against what the engine then serves."""
+        """A request was committed to ``bid``: its prompt's chunks are the freshest in that
+        backend's cache, and what the index credited it with there is counted against what the
+        engine then serves."""
         r, s = self.realized, self.registry.backends.get(bid)
-        share = r.share(bid, None if s is None else s.scraped)  # the scrapes before this request
+        scraped = None if s is None else s.scraped
+        share = r.share(bid, scraped)  # the scrapes before this request
+        self.residency.sent(bid, f.hashes, self._cache_chunks(f, bid, scraped), f.prompt_bytes // CHUNK_BYTES)
         self.metrics.of(self.metrics.prefix_served_share, bid).set(share)
         r.routed(bid, f.est_tokens, f.est_tokens - uncached_tokens(f, depth_chunks))
-        if len(r) > len(self.registry.backends):
+        if len(r) > len(self.registry.backends) or len(self.residency) > len(self.registry.backends):
             r.forget(self.registry.backends)
+            self.residency.forget(self.registry.backends)
+
+    def _cache_chunks(self, f: Features, bid: str, scraped: Scraped | None) -> int | None:
+        """This replica's part of ``bid``'s prefix cache, in chunks (``kvgate.residency``): None
+        when its size is unknown or ``routing.prefix_eviction`` is off."""
+        if not self.config.routing.prefix_eviction or scraped is None:
+            return None
+        if not scraped.kv_blocks or not scraped.block_size:
+            return None
+        tokens = scraped.kv_blocks * scraped.block_size * self.realized.own(bid)
+        return max(1, int(tokens * f.bytes_per_token / CHUNK_BYTES))
 
     def _expected(self, plan: Plan, own: dict[str, Work] | None = None) -> dict[str, tuple[float, float]]:
         """Each backend's expected seconds to the plan's first byte, now and idle (``kvgate.expected``),

@@ -1,8 +1,9 @@
 """Approximate, memory-bounded index of which prompt prefixes were sent to which backend.
 
 Like SGLang's approximate radix tree or llm-d's prefix scorer, it records routing decisions, not the
-backends' real cache contents, so it can be wrong when a backend evicts: it is a hint weighed against
-load, never a promise. Keys are the chained chunk hashes of ``kvgate.features``; because each hash
+backends' real cache contents, so it can be wrong when a backend evicts (``kvgate.residency`` cuts a
+match to what each backend's cache size says it still holds): it is a hint weighed against load,
+never a promise. Keys are the chained chunk hashes of ``kvgate.features``; because each hash
 covers its whole prefix, a flat map from hash to backends is a radix tree in disguise.
 
 Shared prefixes (a system prompt every conversation starts with) are recognised by their fan-out: a

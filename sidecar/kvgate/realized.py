@@ -8,7 +8,8 @@ rate since the last one (its hit and query counters, in tokens); set against the
 credited the requests this gateway sent there meanwhile, it says what share of a credited prefix is
 real. Rates, not totals, so that other replicas' and other clients' traffic on the same backend
 cancels out. The share scales the credited prefix where the gateway counts prefill (the in-flight
-ledger, first-byte budgets, the SLO's predictions); placement weighs the index as it is.
+ledger, first-byte budgets, the SLO's predictions); placement weighs the index as it is, after
+``kvgate.residency`` has cut what the backend's cache size says it evicted.
 
 Nothing to bring down: one small window per backend, forgotten with the backend.
 """
@@ -69,6 +70,15 @@ class Realized:
         credited_rate = w.credited / w.prompt
         served_rate = w.hits / w.queries
         return max(0.0, min(1.0, served_rate / credited_rate))
+
+    def own(self, bid: str) -> float:
+        """The share of the prompt tokens ``bid``'s engine took (its prefix-cache queries) that this
+        gateway sent it (1 until known): with other replicas or clients beside it, the share of its
+        cache this gateway's requests have filled (``kvgate.residency``). Folded by ``share``."""
+        w = self._windows.get(bid)
+        if w is None or w.prompt < MIN_PROMPT or w.queries <= 0:
+            return 1.0
+        return max(0.0, min(1.0, w.prompt / w.queries))
 
     def uncached(self, f: Features, depth_chunks: int, bid: str, scraped: Scraped | None) -> int:
         """Prompt tokens ``bid`` will likely prefill for this request: those the index says it does

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from tests.real.conftest import MODEL, Gateway, RealFleet, Tokens
+from tests.real.conftest import BLOCK_SIZE, BLOCKS, MODEL, Gateway, RealFleet, Tokens, ids
 
 pytestmark = pytest.mark.real
 
@@ -97,3 +97,37 @@ def test_eviction_is_survived_and_the_conversation_is_cached_again_where_it_is_r
     assert back == home and hits < prompt * 0.5, (back, home, hits, prompt)  # evicted: recomputed
     back, prompt, hits = turn(3)
     assert back == home and hits >= prompt * 0.9, (hits, prompt)
+
+
+def test_the_index_counts_a_context_held_until_the_servers_cache_has_evicted_it(
+    fleet: RealFleet, tokens: Tokens
+) -> None:
+    """The approximate index (no KV events) in front of one server: a context it sent there is
+    credited as held while less than the server's cache (its size from ``vllm:cache_config_info``)
+    was sent after it, and no longer once more was; each time, the engine's own hit agrees."""
+    cache = BLOCKS * BLOCK_SIZE  # 20,480 tokens
+    gw = Gateway(fleet.sup, "residency", ids(fleet, [0]))
+    context = tokens.text(3000, 91)
+    captured = 'kvgate_route_reuse_tokens_total{kind="captured"}'
+
+    def send(msgs: list[dict[str, str]]) -> tuple[float, float]:
+        """Prompt tokens the gateway credited the server with holding, and the engine's hit."""
+        credited, hits = gw.sidecar_metric(captured), fleet.metric(0, "vllm:prefix_cache_hits_total")
+        status, _, body = gw.chat({"model": MODEL, "messages": msgs, "max_tokens": 1})
+        assert status == 200, body
+        return gw.sidecar_metric(captured) - credited, fleet.metric(0, "vllm:prefix_cache_hits_total") - hits
+
+    def ask(i: int) -> tuple[float, float]:
+        return send([{"role": "system", "content": context}, {"role": "user", "content": f"question {i}?"}])
+
+    try:
+        ask(0)
+        assert min(ask(1)) > 2500  # credited and served
+        send([{"role": "user", "content": tokens.text(cache // 4, 92)}])
+        assert min(ask(2)) > 2500  # 5,120 tokens sent after it: still in the cache
+        for i in range(2):
+            send([{"role": "user", "content": tokens.text(cache // 2 + 1000, 93 + i)}])
+        credited, hits = ask(3)  # 22,480 tokens sent after it: evicted, and the gateway knows
+        assert hits < 500 and credited < 500, (credited, hits)
+    finally:
+        gw.stop()

@@ -109,3 +109,9 @@ class RoutingConfig:
     prefix_index_blocks: int = whole(
         1_000_000, 1000, 100_000_000, "memory bound of the approximate prefix index, in blocks"
     )
+    prefix_eviction: bool = flag(
+        True,
+        "approximate index: a prefix counts as held only while fewer than a cache's worth of chunks "
+        "were sent to that backend after it (its cache size from vllm:cache_config_info, least "
+        "recently sent first); off for backends whose cache outlives it (KV offloading to CPU or disk)",
+    )
