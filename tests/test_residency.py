@@ -62,3 +62,12 @@ def test_a_prompt_longer_than_its_hashes_fills_the_cache_by_its_size() -> None:
     r.sent("b0", a, capacity=20)
     r.sent("b0", chunks("long", 2), capacity=20, size=17)  # hashed by 2 chunks, 17 long
     assert r.trim(a, {"b0": 4}) == {"b0": 3}
+
+
+def test_what_the_model_holds_is_described_per_backend() -> None:
+    r = Residency()
+    assert r.describe("b0") is None
+    r.sent("b0", chunks("a", 6), capacity=4)
+    assert r.describe("b0") == {"chunks": 4, "capacity_chunks": 4}
+    r.forget(set())
+    assert r.describe("b0") is None

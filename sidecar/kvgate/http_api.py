@@ -143,6 +143,10 @@ class HttpApi:
         described = self.registry.describe(time.monotonic())
         for b in described:
             b["first_byte"] = self.service.first_byte.describe(str(b["id"]))
+            planner = self.service.planner
+            if (cache := planner.residency.describe(str(b["id"]))) is not None:
+                cache["own_share"] = round(planner.realized.own(str(b["id"])), 3)  # of its prompt tokens
+            b["prefix_cache_model"] = cache
         return web.json_response({"backends": described, "peers_version": self.registry.peers_version})
 
     async def peers(self, request: web.Request) -> web.Response:
@@ -185,6 +189,8 @@ class HttpApi:
                 "disaggregated": bool(routed.prefill),
                 "prefill_candidates": [c._asdict() for c in routed.prefill],
                 "first_byte_timeout_ms": list(routed.first_byte_ms),
+                "reuse_available": routed.reuse[0],  # prompt tokens held on the best eligible backend
+                "reuse_captured": routed.reuse[1],  # ... on the chosen one, as the index says
             }
         )
 

@@ -34,6 +34,7 @@ from collections.abc import Collection, Mapping, Sequence
 class Residency:
     def __init__(self) -> None:
         self._held: dict[str, OrderedDict[str, None]] = {}
+        self._capacity: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -44,7 +45,9 @@ class Residency:
         unknown, and nothing is modelled for it)."""
         if capacity is None or capacity <= 0:
             self._held.pop(node, None)
+            self._capacity.pop(node, None)
             return
+        self._capacity[node] = capacity
         lru = self._held.get(node)
         if lru is None:
             lru = self._held[node] = OrderedDict()
@@ -75,7 +78,13 @@ class Residency:
                 out[node] = d
         return out
 
+    def describe(self, node: str) -> dict[str, float] | None:
+        """The model of ``node``'s cache (``/v1/backends``): chunks it holds, of how many."""
+        lru = self._held.get(node)
+        return None if lru is None else {"chunks": len(lru), "capacity_chunks": self._capacity[node]}
+
     def forget(self, keep: Collection[str]) -> None:
         """Backends that left the registry take their LRUs with them."""
         for node in [n for n in self._held if n not in keep]:
             del self._held[node]
+            self._capacity.pop(node, None)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from tests.real.conftest import BLOCK_SIZE, BLOCKS, MODEL, Gateway, RealFleet, Tokens, ids
+from tests.real.conftest import BLOCK_SIZE, BLOCKS, MODEL, Gateway, RealFleet, Tokens, ids, post
 
 pytestmark = pytest.mark.real
 
@@ -106,28 +106,35 @@ def test_the_index_counts_a_context_held_until_the_servers_cache_has_evicted_it(
     credited as held while less than the server's cache (its size from ``vllm:cache_config_info``)
     was sent after it, and no longer once more was; each time, the engine's own hit agrees."""
     cache = BLOCKS * BLOCK_SIZE  # 20,480 tokens
-    gw = Gateway(fleet.sup, "residency", ids(fleet, [0]))
+    # A decision that misses its budget falls open to Nginx's ring, unseen by the index: not this test.
+    gw = Gateway(fleet.sup, "residency", ids(fleet, [0]), gateway={"decision_timeout_ms": 3000})
     context = tokens.text(3000, 91)
-    captured = 'kvgate_route_reuse_tokens_total{kind="captured"}'
 
-    def send(msgs: list[dict[str, str]]) -> tuple[float, float]:
-        """Prompt tokens the gateway credited the server with holding, and the engine's hit."""
-        credited, hits = gw.sidecar_metric(captured), fleet.metric(0, "vllm:prefix_cache_hits_total")
+    def send(msgs: list[dict[str, str]]) -> float:
+        """The share of the prompt the engine served from its cache."""
+        hits = fleet.metric(0, "vllm:prefix_cache_hits_total")
         status, _, body = gw.chat({"model": MODEL, "messages": msgs, "max_tokens": 1})
         assert status == 200, body
-        return gw.sidecar_metric(captured) - credited, fleet.metric(0, "vllm:prefix_cache_hits_total") - hits
+        return (fleet.metric(0, "vllm:prefix_cache_hits_total") - hits) / body["usage"]["prompt_tokens"]
 
     def ask(i: int) -> tuple[float, float]:
-        return send([{"role": "system", "content": context}, {"role": "user", "content": f"question {i}?"}])
+        """The share of the prompt the gateway would credit the server with holding (a dry run, in
+        its own token estimate), then the share the engine served."""
+        msgs = [{"role": "system", "content": context}, {"role": "user", "content": f"question {i}?"}]
+        _, _, d = post(gw.sidecar + "/v1/decide", {"body": {"model": MODEL, "messages": msgs}})
+        print(f"ask {i}: {d['reuse_captured']} of {d['estimated_prompt_tokens']} tokens credited;", end=" ")
+        print(f"the model: {gw.backends()['vllm-0']['prefix_cache_model']}")
+        return d["reuse_captured"] / d["estimated_prompt_tokens"], send(msgs)
 
     try:
         ask(0)
-        assert min(ask(1)) > 2500  # credited and served
+        assert min(ask(1)) > 0.8  # credited and served
         send([{"role": "user", "content": tokens.text(cache // 4, 92)}])
-        assert min(ask(2)) > 2500  # 5,120 tokens sent after it: still in the cache
-        for i in range(2):
-            send([{"role": "user", "content": tokens.text(cache // 2 + 1000, 93 + i)}])
-        credited, hits = ask(3)  # 22,480 tokens sent after it: evicted, and the gateway knows
-        assert hits < 500 and credited < 500, (credited, hits)
+        assert min(ask(2)) > 0.8  # 5,120 tokens sent after it: still in the cache
+        # 36,720 tokens sent after it: evicted, and the gateway knows. Wide margins both ways: the
+        # gateway sizes the cache in chunks at its learned bytes per token, which may be off.
+        for i in range(3):
+            send([{"role": "user", "content": tokens.text(cache // 2 + 2000, 93 + i)}])
+        assert max(ask(3)) < 0.2
     finally:
         gw.stop()
