@@ -143,10 +143,7 @@ class HttpApi:
         described = self.registry.describe(time.monotonic())
         for b in described:
             b["first_byte"] = self.service.first_byte.describe(str(b["id"]))
-            planner = self.service.planner
-            if (cache := planner.residency.describe(str(b["id"]))) is not None:
-                cache["own_share"] = round(planner.realized.own(str(b["id"])), 3)  # of its prompt tokens
-            b["prefix_cache_model"] = cache
+            b["prefix_cache_model"] = self.service.planner.describe_cache(str(b["id"]))
         return web.json_response({"backends": described, "peers_version": self.registry.peers_version})
 
     async def peers(self, request: web.Request) -> web.Response:

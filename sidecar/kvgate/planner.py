@@ -225,6 +225,14 @@ class Planner:
             r.forget(self.registry.backends)
             self.residency.forget(self.registry.backends)
 
+    def describe_cache(self, bid: str) -> dict[str, float] | None:
+        """The model of ``bid``'s prefix cache (``/v1/backends``), with this replica's share of its
+        prompt tokens."""
+        cache = self.residency.describe(bid)
+        if cache is not None:
+            cache["own_share"] = round(self.realized.own(bid), 3)
+        return cache
+
     def _cache_chunks(self, f: Features, bid: str, scraped: Scraped | None) -> int | None:
         """This replica's part of ``bid``'s prefix cache, in chunks (``kvgate.residency``): None
         when its size is unknown or ``routing.prefix_eviction`` is off."""

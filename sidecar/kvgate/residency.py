@@ -12,6 +12,7 @@ out as many chunks as it is long. An ordered LRU costs 10-40 us per decision for
 chunks (``kvgate-bench decisions``: p50 +0.03 ms at 50 KB, +0.19 ms at 500 KB); counting chunks
 written with two generations instead, a third cheaper, kept dropped contexts too long and lost half
 the gain under cache pressure at 3x (0.96 against 0.60 s).
+
 Without it, under cache pressure (160 tenants' contexts filling three quarters of four caches) the
 index credited backends with contexts they had dropped, sent turns there to prefill in full, and
 ordered the gateway queue on prefixes that were gone.
@@ -29,28 +30,34 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class _Cache:
+    capacity: int  # chunks the backend's cache holds (this replica's part of it)
+    lru: OrderedDict[str, None] = field(default_factory=OrderedDict)  # chunks sent there, oldest first
 
 
 class Residency:
     def __init__(self) -> None:
-        self._held: dict[str, OrderedDict[str, None]] = {}
-        self._capacity: dict[str, int] = {}
+        self._caches: dict[str, _Cache] = {}
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._caches)
 
     def sent(self, node: str, hashes: Sequence[str], capacity: int | None, size: int = 0) -> None:
         """A prompt of ``size`` chunks (its ``hashes``: those it is hashed by, at most
         ``features.MAX_CHUNKS``) went to ``node``, whose cache holds ``capacity`` chunks (None:
         unknown, and nothing is modelled for it)."""
         if capacity is None or capacity <= 0:
-            self._held.pop(node, None)
-            self._capacity.pop(node, None)
+            self._caches.pop(node, None)
             return
-        self._capacity[node] = capacity
-        lru = self._held.get(node)
-        if lru is None:
-            lru = self._held[node] = OrderedDict()
+        cache = self._caches.get(node)
+        if cache is None:
+            cache = self._caches[node] = _Cache(capacity)
+        cache.capacity = capacity
+        lru = cache.lru
         for h in reversed(hashes):  # the head last: the most recent, evicted last
             lru[h] = None
             lru.move_to_end(h)
@@ -64,12 +71,12 @@ class Residency:
         prefix: a binary search finds where it ends."""
         out: dict[str, int] = {}
         for node, d in depth.items():
-            lru = self._held.get(node)
-            if lru is not None and hashes[d - 1] not in lru:
+            cache = self._caches.get(node)
+            if cache is not None and hashes[d - 1] not in cache.lru:
                 lo, hi = 0, d - 1  # the deepest held count is in [lo, hi]
                 while lo < hi:
                     mid = (lo + hi + 1) // 2
-                    if hashes[mid - 1] in lru:
+                    if hashes[mid - 1] in cache.lru:
                         lo = mid
                     else:
                         hi = mid - 1
@@ -80,11 +87,10 @@ class Residency:
 
     def describe(self, node: str) -> dict[str, float] | None:
         """The model of ``node``'s cache (``/v1/backends``): chunks it holds, of how many."""
-        lru = self._held.get(node)
-        return None if lru is None else {"chunks": len(lru), "capacity_chunks": self._capacity[node]}
+        cache = self._caches.get(node)
+        return None if cache is None else {"chunks": len(cache.lru), "capacity_chunks": cache.capacity}
 
     def forget(self, keep: Collection[str]) -> None:
         """Backends that left the registry take their LRUs with them."""
-        for node in [n for n in self._held if n not in keep]:
-            del self._held[node]
-            self._capacity.pop(node, None)
+        for node in [n for n in self._caches if n not in keep]:
+            del self._caches[node]
