@@ -133,7 +133,7 @@ def owns_socket(pid: int, inodes: set[str]) -> bool:
     return False
 
 
-def _last_words(pid: int, lines: int = 3) -> str:
+def last_words(pid: int, lines: int = 3) -> str:
     """The end of a process's log, so a failure to start says why (port in use, bad flag) on the
     terminal and not only in a file."""
     path = LOGS.get(pid)
@@ -154,7 +154,7 @@ def wait_ready(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {what}{_last_words(proc.pid)}")
+            raise RuntimeError(f"process exited with {proc.returncode} before {what}{last_words(proc.pid)}")
         try:
             if check():
                 return
