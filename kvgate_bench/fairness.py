@@ -47,12 +47,13 @@ def two_tenants(
     duration: float,
     flood: float,
     gap: float = 1200.0,
+    start: float = 0.0,
     words: str = "filler",
     block: int = TRACE_BLOCK_TOKENS,
     model: str = SIM_MODEL,
     most: int | None = None,
 ) -> tuple[list[BenchRequest], list[str]]:
-    """The quiet tenant's window (from 0 s) and the flood's (from ``gap`` s in the trace, its arrivals
+    """The quiet tenant's window (from ``start`` s) and the flood's (``gap`` s after it, its arrivals
     ``flood`` times as dense, over the same ``duration``), merged and renumbered; each request's
     tenant. ``words``, ``block``: as ``workloads.scaled`` writes them (real vLLM); ``most``: the longest
     request kept (``workloads.within``)."""
@@ -60,7 +61,7 @@ def two_tenants(
     def window(start: float, length: float) -> list[BenchRequest]:
         return within(scaled(load_trace(trace, start, length, model=model, spread=True), words, block), most)
 
-    quiet, loud = window(0.0, duration), window(gap, duration * flood)
+    quiet, loud = window(start, duration), window(start + gap, duration * flood)
     tagged = [(r.arrival, QUIET, r) for r in quiet] + [(r.arrival / flood, FLOOD, r) for r in loud]
     tagged.sort(key=lambda t: t[0])
     reqs = [dataclasses.replace(r, rid=i, arrival=at) for i, (at, _, r) in enumerate(tagged)]
@@ -139,6 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--duration", type=float, default=300.0, help="seconds of the quiet tenant's window")
     p.add_argument("--flood", type=float, default=3.0, help="the flooding tenant's rate, x the quiet one's")
+    # One window of a trace is one sample of a noisy quantity (a p90 of a few hundred requests past
+    # saturation): a change is judged over several.
+    p.add_argument("--start", type=float, default=0.0, help="where the quiet tenant's window starts (s)")
+    p.add_argument("--gap", type=float, default=1200.0, help="the flood's window starts this much later (s)")
+    p.add_argument("--quick", action="store_true", help="only alone and fair (the goal's two runs)")
     p.add_argument("--backends", type=int, default=4)
     p.add_argument("--profile", default="llama3-8b-h100")
     p.add_argument("--out", default="bench-results/fairness")
@@ -151,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.trace,
         args.duration,
         args.flood,
+        gap=args.gap,
+        start=args.start,
         words=args.words,
         block=args.trace_block_tokens,
         model=args.model or SIM_MODEL,
@@ -160,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     with real_fleet(args, out) as fleet:
         for label, both, order, reserve in RUNS:
+            if args.quick and label not in ("alone", label_of("fair", None)):
+                continue
             picked = [i for i, t in enumerate(tenants) if both or t == QUIET]
             these = [dataclasses.replace(reqs[i], rid=n) for n, i in enumerate(picked)]
             whose = [tenants[i] for i in picked]

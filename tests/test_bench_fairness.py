@@ -6,7 +6,7 @@ inside the engines either."""
 from __future__ import annotations
 
 from kvgate_bench.fairness import FLOOD, QUIET, run, two_tenants
-from kvgate_bench.workloads import DEFAULT_TRACE
+from kvgate_bench.workloads import DEFAULT_TRACE, BenchRequest
 
 
 def test_the_fair_order_shields_the_quiet_tenant_from_the_flood() -> None:
@@ -20,3 +20,17 @@ def test_the_fair_order_shields_the_quiet_tenant_from_the_flood() -> None:
     assert kept[QUIET]["p90"] < 0.75 * fair[QUIET]["p90"], (kept[QUIET], fair[QUIET])
     for row in (fair, kept):
         assert row[FLOOD]["p90"] > row[QUIET]["p90"]  # the flood pays for its own excess
+
+
+def test_a_window_can_start_anywhere_in_the_trace() -> None:
+    """``--start`` / ``--gap``: the quiet tenant's window from ``start``, the flood's ``gap`` after
+    it (the flood at 1x here, so its window is as long as the quiet one's)."""
+
+    def lengths(reqs: list[BenchRequest], tenants: list[str], tenant: str) -> list[int]:
+        return [r.prompt_tokens for r, t in zip(reqs, tenants, strict=True) if t == tenant]
+
+    reqs, tenants = two_tenants(DEFAULT_TRACE, 60.0, 1.0, gap=600.0)
+    later, later_tenants = two_tenants(DEFAULT_TRACE, 60.0, 1.0, gap=-600.0, start=600.0)
+    assert lengths(later, later_tenants, QUIET) == lengths(reqs, tenants, FLOOD)
+    assert lengths(later, later_tenants, FLOOD) == lengths(reqs, tenants, QUIET)
+    assert lengths(reqs, tenants, QUIET) != lengths(reqs, tenants, FLOOD)
