@@ -13,6 +13,7 @@ from kvgate.messages import Outcome
 from kvgate.queue import QueueTimeout
 from kvgate.service import Queued, Routed
 from kvgate.sidecar import Sidecar
+from kvgate.tokens import DECAY, PRIOR_TOKENS
 
 from tests.cores import MODEL, core, idle
 
@@ -51,12 +52,16 @@ def test_a_prompt_counts_once_its_first_byte_is_reported() -> None:
     sc.service.report([Outcome.first("d1", backend)])
     sc.service.report([Outcome.end("d1", backend, 200, True, 0.5, 1.0)])  # counted once, not twice
     tokens.counted(backend, 20_000.0)
-    assert tokens.ratio(MODEL) == pytest.approx(30_000 / 10_000)
+    # 30,000 bytes in 10,000 tokens, beside the default ratio's weight (``kvgate.tokens``).
+    kept = 1 - DECAY  # the window's sums are added to the decayed prior
+    prior = PRIOR_TOKENS * tokens.config.default_bytes_per_token
+    assert tokens.ratio(MODEL) == pytest.approx((kept * prior + 30_000) / (kept * PRIOR_TOKENS + 10_000))
     # Routed and never answered (dropped, failed): its bytes never join the counts.
     routed = asyncio.run(sc.service.route(Features(MODEL, None, "none", ("h2",), 90_000), "d2"))
     sc.service.report([Outcome.end("d2", routed.candidates[0].id, 502, False)])
+    before = tokens.ratio(MODEL)
     tokens.counted(backend, 30_000.0)
-    assert tokens.ratio(MODEL) < 3.0  # 10,000 more tokens and no bytes: only the sums' decay moved
+    assert tokens.ratio(MODEL) < before  # 10,000 more tokens and no bytes: the ratio fell
 
 
 def test_pools_pick_by_estimated_length_and_a_full_pool_spills_in_order() -> None:

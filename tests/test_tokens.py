@@ -16,10 +16,30 @@ def test_bytes_per_token_is_learned_from_what_each_backend_counted() -> None:
     t.counted("a", 100.0)  # first sight: the window starts here
     t.served("a", MODEL, 20_000)
     t.counted("a", 100.0 + 10_000)  # 20,000 bytes were 10,000 tokens
-    assert t.ratio(MODEL) == pytest.approx(2.0)
+    first = t.ratio(MODEL)
+    assert 2.0 < first < 3.0  # most of the way from the default (4.0) at once
+    counter = 10_100.0
+    for _ in range(40):  # the default's weight decays away
+        t.served("a", MODEL, 20_000)
+        counter += 10_000
+        t.counted("a", counter)
+    assert t.ratio(MODEL) == pytest.approx(2.0, rel=0.02)
     t.served("a", MODEL, 40_000)
-    t.counted("a", 10_100.0 + 10_000)  # 4 bytes per token now: smoothed, not jumped to
+    t.counted("a", counter + 10_000)  # 4 bytes per token now: smoothed, not jumped to
     assert 2.0 < t.ratio(MODEL) < 4.0
+
+
+def test_a_first_window_that_met_another_prompts_bytes_moves_the_estimate_only_part_way() -> None:
+    """One 3,000-token prompt counted with the bytes of three such prompts (their reports came early,
+    their tokens fall in the next windows): 15 bytes per token, where the truth is 5. The estimate
+    goes part of the way, then comes back as the other prompts' tokens are counted."""
+    t = TokenEstimator(TokensConfig())
+    t.counted("a", 0.0)
+    t.served("a", MODEL, 45_000)
+    t.counted("a", 3_000.0)
+    assert t.ratio(MODEL) < 10.0  # without the prior: 15
+    t.counted("a", 9_000.0)  # the other two prompts' tokens, their bytes already counted
+    assert 3.5 < t.ratio(MODEL) < 6.0
 
 
 def test_the_ratio_holds_when_reports_and_scrapes_are_out_of_step() -> None:
@@ -61,7 +81,12 @@ def test_with_several_replicas_each_learns_from_its_share_of_the_counts() -> Non
     t.counted("a", 0.0, replicas=2)
     t.served("a", MODEL, 30_000)  # ours: 10,000 tokens at 3 bytes per token
     t.counted("a", 20_000.0, replicas=2)  # ours and the other replica's, 10,000 tokens each
-    assert t.ratio(MODEL) == pytest.approx(3.0)
+    one = TokenEstimator(TokensConfig())
+    one.counted("a", 0.0)
+    one.served("a", MODEL, 30_000)
+    one.counted("a", 10_000.0)  # what a single replica sending those prompts learns
+    assert t.ratio(MODEL) == pytest.approx(one.ratio(MODEL))
+    assert t.ratio(MODEL) < 3.5  # from 4.0 towards 3.0
 
 
 def test_windows_that_mix_models_or_follow_a_restart_teach_nothing() -> None:

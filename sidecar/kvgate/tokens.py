@@ -14,6 +14,12 @@ whole queue and prefill, seconds to minutes, and the ratio of such windows swing
 truth. And what is learned is a ratio of sums (bytes over tokens, both decayed), not an average of
 per-window ratios, which small windows would bias upwards.
 
+Reports and scrapes still fall on either side of each other for a prompt or two, and a first window
+of one long prompt whose bytes came with another's made the ratio swing 4 -> 15 -> 5 in a gateway's
+first seconds on real vLLM. So the sums start from the configured ratio, weighing as much as
+``PRIOR_TOKENS`` of counted prompts: the first windows pull the estimate towards what they saw, and
+the prior has decayed away after a few dozen.
+
 A backend's counter also counts the prompts other gateway replicas sent it; each replica sees only
 its own bytes. So a window's tokens are divided by the number of replicas (``kvgate.replicas``):
 exact when the edge spreads clients evenly over the replicas, as a round-robin load balancer does over
@@ -28,6 +34,7 @@ from kvgate.config import TokensConfig
 
 MIN_SAMPLE_TOKENS = 2000  # a window this small says little: it waits for more
 DECAY = 0.05  # each window's weight in the sums: the estimate follows about the last 20 windows
+PRIOR_TOKENS = 2 * MIN_SAMPLE_TOKENS  # the default ratio's weight in the sums before any window
 
 
 @dataclass(slots=True)
@@ -87,7 +94,8 @@ class TokenEstimator:
         b.tokens = 0.0
 
     def _add(self, model: str | None, served: float, tokens: float) -> None:
-        old_bytes, old_tokens = self._sums.get(model, (0.0, 0.0))
+        prior = (PRIOR_TOKENS * self.config.default_bytes_per_token, float(PRIOR_TOKENS))
+        old_bytes, old_tokens = self._sums.get(model, prior)
         sums = (1 - DECAY) * old_bytes + served, (1 - DECAY) * old_tokens + tokens
         self._sums[model] = sums
         if sums[0] > 0 and sums[1] > 0:
