@@ -17,7 +17,7 @@ pytestmark = pytest.mark.real
 
 
 def test_a_priority_request_overtakes_the_waiting_ones(fleet: RealFleet, tokens: Tokens) -> None:
-    """One server (--scheduling-policy priority), six long prefills queued on it, then one with
+    """One server (--scheduling-policy priority), eight long prefills queued on it, then one with
     X-Priority: -1, which kvgate writes into the body (queue.forward_priority): it finishes before
     most of those sent earlier (running requests are not preempted; waiting ones are passed)."""
     gw = Gateway(
@@ -39,7 +39,9 @@ def test_a_priority_request_overtakes_the_waiting_ones(fleet: RealFleet, tokens:
             with lock:
                 finished.append((time.monotonic(), name))
 
-        threads = [threading.Thread(target=send, args=(f"fcfs-{i}", 500 + i, None)) for i in range(6)]
+        # Eight, where three fill its KV cache: on a fast run six were served before a /metrics poll
+        # (the API server busy with their bodies) saw three waiting.
+        threads = [threading.Thread(target=send, args=(f"fcfs-{i}", 500 + i, None)) for i in range(8)]
         for t in threads:
             t.start()
             time.sleep(0.05)
@@ -49,7 +51,7 @@ def test_a_priority_request_overtakes_the_waiting_ones(fleet: RealFleet, tokens:
         for t in [*threads, vip]:
             t.join(120)
         order = [name for _, name in sorted(finished)]
-        assert order.index("vip") <= 3, order  # ahead of at least two sent before it
+        assert order.index("vip") <= 4, order  # ahead of at least four sent before it
     finally:
         gw.stop()
 
