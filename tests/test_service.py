@@ -193,6 +193,52 @@ def test_a_tenant_past_its_share_leaves_a_backend_clear_for_the_others() -> None
     assert run(scenario(0)) == (False, False)
 
 
+def test_a_quiet_tenant_served_more_than_a_waiting_flood_is_neither_past_its_share_nor_held() -> None:
+    """The flood asks for more than the quiet tenant but, its requests waiting at the gateway, has
+    been served less. Past its share is judged on what each asks: the quiet tenant is not, the flood
+    is. And a flood's request first in the fair order (the least served) that may not take the room
+    it finds holds back only the flood's later requests: the quiet tenant's request behind it
+    takes that room. Judged by service, the quiet tenant was past its share and waited for the
+    reserve; and the flood's request held back everyone behind it."""
+    import dataclasses
+
+    from kvgate.service import Queued
+
+    from tests.cores import core, idle
+
+    def tenant(key: str, i: int) -> Features:
+        return dataclasses.replace(features(i), client_key=key)
+
+    async def scenario() -> None:
+        sc = core(n=2, queue={"enabled": True, "order": "fair", "fair_reserve": 1})
+        queue = sc.service.queue
+        assert queue is not None
+        for key, i in (("flood", 100), ("quiet", 1), ("quiet", 2)):
+            routed = await sc.service.decide(tenant(key, i), f"{key}{i}")
+            assert not isinstance(routed, Queued)
+            sc.service.report([Outcome.first(f"{key}{i}", routed.candidates[0].id)])
+        for b in ("b0", "b1"):
+            idle(sc, b, waiting=50)  # both saturated: what comes now waits
+        for i in range(101, 107):
+            assert isinstance(await sc.service.decide(tenant("flood", i), f"flood{i}"), Queued)
+        assert isinstance(await sc.service.decide(tenant("quiet", 3), "quiet3"), Queued)
+        assert queue.tenants.attained("key:quiet", queue.clock()) > queue.tenants.attained(
+            "key:flood", queue.clock()
+        )
+        assert queue.past_share(tenant("flood", 0)) and not queue.past_share(tenant("quiet", 0))
+        assert queue.in_order()[0].features.client_key == "flood"
+        # Room again, but b0 has a prompt waiting for prefill: the flood may not take b1, the last
+        # clear backend; the quiet tenant may.
+        for b in ("b0", "b1"):
+            idle(sc, b)
+        sc.registry.ledger.start("earlier", "b0", 3_000, time.monotonic())
+        sent = {w.decision_id: r for w, r in await sc.service.dispatch()}
+        assert "quiet3" in sent, sent
+        assert len(queue) >= 1 and all(w.features.client_key == "flood" for w in queue.in_order())
+
+    run(scenario())
+
+
 def test_a_request_goes_where_its_first_byte_is_expected_first_unless_its_session_is_bound() -> None:
     """The policy's pick holds the prompt, but its backend has proved much slower to prefill (a
     smaller GPU, say) with as much queued as the other: the other one is expected to give the first

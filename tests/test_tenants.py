@@ -46,8 +46,12 @@ def test_a_tenant_is_past_its_share_with_more_than_an_equal_part_of_the_recent_s
     assert not ledger.over_share("flood", 0.0)  # alone: no one to share with
     ledger.served("quiet", 1_000, now=0.0)
     assert ledger.over_share("flood", 0.05) and not ledger.over_share("quiet", 0.05)
-    ledger.served("quiet", 4_000, now=1.0)  # the cached sums are 0.1 s old at most
+    ledger.served("quiet", 4_000, now=1.0)
     assert ledger.over_share("quiet", 1.0) and not ledger.over_share("flood", 1.0)
+    # A burst within one refresh of the active count: the total is the one of now, so no more than
+    # one of two tenants is ever past its share (a total summed before the burst put both past it).
+    ledger.served("flood", 9_000, now=1.01)
+    assert ledger.over_share("flood", 1.02) and not ledger.over_share("quiet", 1.02)
     tiny = TenantLedger(half_life_s=10.0)
     tiny.served("big", 100_000, now=0.0)
     tiny.served("speck", 10, now=0.0)  # under 1 % of the service: not competing

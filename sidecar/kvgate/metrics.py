@@ -178,8 +178,8 @@ class SidecarMetrics:
         )
         self.tenant_past_share = Counter(
             "kvgate_tenant_past_share_queued",
-            "Requests queued while their tenant was past an equal share of the recent service, so that "
-            "backends stay clear for the others (queue.fair_reserve).",
+            "Requests queued while their tenant asked for more than an equal share of the recent demand, "
+            "so that backends stay clear for the others (queue.fair_reserve).",
             ["tenant"],
             registry=r,
         )

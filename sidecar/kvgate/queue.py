@@ -75,6 +75,10 @@ class GatewayQueue:
         self.config = config
         self.clock = clock
         self.tenants = TenantLedger(config.fair_window_s)  # service per tenant, for the fair order
+        # What each tenant asked for (counted on arrival, routed or not), for the reserve: a tenant
+        # whose requests wait at the gateway is served less than it asks, and by service alone a
+        # quiet tenant then looks past its share of what was served while the flood waits.
+        self.demand = TenantLedger(config.fair_window_s)
         self._waiting: dict[str, Waiting] = {}
         self._per_key: dict[str, int] = {}  # waiting requests of each API key
         self._rate = 0.0  # dispatches per second, smoothed
@@ -197,11 +201,15 @@ class GatewayQueue:
         return [t[3] for t in tagged]
 
     def past_share(self, f: Features) -> bool:
-        """Whether the request's tenant is past an equal share of the recent service, in the fair
-        order with a reserve (``fair_reserve``): it then leaves room for the others."""
+        """Whether the request's tenant asks for more than an equal share of the recent demand, in the
+        fair order with a reserve (``fair_reserve``): it then leaves room for the others."""
         if self.config.order is not DispatchOrder.FAIR or not self.config.fair_reserve:
             return False
-        return self.tenants.over_share(tenant_of(f), self.clock())
+        return self.demand.over_share(tenant_of(f), self.clock())
+
+    def asked(self, tenant: str, tokens: int) -> None:
+        """A request of ``tenant`` arrived (whether it is routed at once, waits or is refused)."""
+        self.demand.served(tenant, tokens, self.clock())
 
     def served(self, tenant: str, tokens: int) -> None:
         """A request of ``tenant`` was routed (from the queue or not): its service grows."""

@@ -134,6 +134,8 @@ class DecisionService:
             return Routed(did, policy, plan.decision, (), plan.pool, priority)
         if dry_run:
             return self.planner.routed(did, policy, plan, priority)
+        if self.queue is not None:  # what its tenant asks for, served or not (the fair reserve)
+            self.queue.asked(tenant_of(f), f.est_tokens)
         plan, held = self._judge(did, f, plan, priority, 0.0)
         queue = self.queue
         if queue is None:
@@ -257,12 +259,15 @@ class DecisionService:
             self.admission.unadmit(w.decision_id)
             out.append((w, refusal))
         blocked: set[str | None] = set()  # models with no room left in this round
+        # Tenants past their share that found no room they may take: the reserve they must leave is
+        # room the others may still take, so only their own later requests wait behind them.
+        reserved: set[tuple[str | None, str]] = set()
         for w in queue.in_order():
             if w.ready > queue.clock():
                 continue  # gathering: shorter requests arriving now go first (queue.gather_ms)
             f = w.features
             strict = f.key_source == "response"
-            if f.model in blocked and not strict:
+            if (f.model in blocked or (f.model, tenant_of(f)) in reserved) and not strict:
                 if (overdue := self._overdue(w)) is not None:
                     out.append((w, overdue))
                 continue
@@ -279,9 +284,13 @@ class DecisionService:
                     out.append((w, shed))
                     continue
             # No room, or nothing makes its objective now: the ones after it in its model wait too.
-            if held or (plan.decision.candidates and self.planner.must_wait(plan, queue.past_share(f))):
+            past = queue.past_share(f)
+            if held or (plan.decision.candidates and self.planner.must_wait(plan, past)):
                 if not strict:
-                    blocked.add(f.model)
+                    if past and not held:
+                        reserved.add((f.model, tenant_of(f)))
+                    else:
+                        blocked.add(f.model)
                 continue
             budget = self.config.routing.limits.saturation_prefill_tokens
             if (

@@ -11,11 +11,14 @@ virtual token counter does it).
 
 The order alone is not enough: once the gateway has sent a quiet tenant's request first, it still
 waits inside the backend behind the flood's prefills already admitted there (an engine finishes the
-prefills it runs before starting a waiting one). So while a tenant is past an equal share of the
-recent service (``over_share``), its requests go only where they leave room for the others
+prefills it runs before starting a waiting one). So while a tenant asks for more than an equal
+share of the recent demand (``over_share`` of a second ledger, counted as requests arrive), its
+requests go only where they leave room for the others
 (``policies.Snapshot.room_past_share``: little prefill waiting there and KV cache to spare, and
 ``queue.fair_reserve`` backends clear of prefill with KV cache to spare: a flood's decodes would
-otherwise fill every cache, and a request without KV blocks waits for some).
+otherwise fill every cache, and a request without KV blocks waits for some). Demand, not service:
+the flood's requests that wait are served less than they ask, and by service alone the quiet tenant
+would then look past its share and wait for the reserve too.
 
 Bounded: a tenant whose decayed service falls under one token is forgotten when the next one is
 counted, so the map holds about the tenants of the last few windows.
@@ -58,11 +61,15 @@ class _Service:
 
 
 class TenantLedger:
+    """Tokens per tenant, each decayed with the half-life: the service each had (the fair order), or
+    what each asked for (the reserve)."""
+
     def __init__(self, half_life_s: float) -> None:
         self.half_life_s = half_life_s
         self._service: dict[str, _Service] = {}
         self._counted = 0
-        self._shares: tuple[float, float, int] | None = None  # (when, total service, active tenants)
+        self._total = _Service(0.0, 0.0)  # the sum over tenants, decayed as each term is
+        self._active: tuple[float, int] | None = None  # (when, tenants with 1 % of the total or more)
 
     def __len__(self) -> int:
         return len(self._service)
@@ -74,21 +81,24 @@ class TenantLedger:
         return s.tokens * math.exp2(-(now - s.at) / self.half_life_s)
 
     def over_share(self, tenant: str, now: float) -> bool:
-        """Whether ``tenant`` had more than an equal share of the recent service, among the tenants
+        """Whether ``tenant`` had more than an equal share of the recent total, among the tenants
         that had at least 1 % of it (when there are two or more)."""
         if len(self._service) < 2:
             return False
-        if self._shares is None or now - self._shares[0] >= SHARE_EVERY_S:
-            total = sum(self.attained(t, now) for t in self._service)
+        total = self._total.tokens * math.exp2(-(now - self._total.at) / self.half_life_s)
+        if self._active is None or now - self._active[0] >= SHARE_EVERY_S:
             active = sum(1 for t in self._service if self.attained(t, now) >= ACTIVE_SHARE * total)
-            self._shares = (now, total, active)
-        at, total, active = self._shares
-        decay = math.exp2(-(now - at) / self.half_life_s)  # the sum decays as each term does
-        return active > 1 and self.attained(tenant, now) > decay * total / active
+            self._active = (now, active)
+        active = self._active[1]
+        return active > 1 and self.attained(tenant, now) > total / active
 
     def served(self, tenant: str, tokens: float, now: float) -> None:
         """``tenant`` had a request routed with ``tokens`` estimated prompt tokens."""
         self._service[tenant] = _Service(self.attained(tenant, now) + tokens, now)
+        # Kept exact as it goes, not summed now and then: in a burst, a total some counts old would
+        # put every tenant past its share.
+        decay = math.exp2(-(now - self._total.at) / self.half_life_s)
+        self._total = _Service(self._total.tokens * decay + tokens, now)
         self._counted += 1
         if self._counted % SWEEP_EVERY == 0:
             self._service = {t: s for t, s in self._service.items() if self.attained(t, now) >= FORGET_BELOW}
