@@ -3,8 +3,10 @@
 tenant waits behind the flood; with the fair order and a backend kept clear of the flood's waiting
 prefill (the default ``queue.fair_reserve``), it is served about as fast as when alone.
 
-Twenty seconds at four times: at three times for 15 s, servers fast enough to keep up served the
-quiet tenant in 2.3 s (p90) first come first served, and the test measured noise."""
+Thirty seconds at four times: at three times for 15 s, servers fast enough to keep up served the
+quiet tenant in 2.3 s (p90) first come first served, and the test measured noise. The queue first
+come first served grows with the run; what the quiet tenant meets inside the servers under the fair
+order (the flood's decodes, cores shared with them) does not."""
 
 from __future__ import annotations
 
@@ -28,28 +30,26 @@ FAILOPEN = "kvgate_gateway_failopen_total"  # Nginx's count of requests it route
 
 def quiet_p90(
     fleet: RealFleet, name: str, order: str, reqs: Sequence[BenchRequest], tenants: Sequence[str]
-) -> float:
-    """The quiet tenant's p90 TTFT through a gateway whose queue runs in ``order``; every request of
-    both tenants must be served."""
+) -> tuple[float, float]:
+    """The quiet tenant's p90 TTFT through a gateway whose queue runs in ``order``, and the seconds it
+    waited at the gateway in all; every request of both tenants must be served."""
     gw = Gateway(fleet.sup, name, ids(fleet), queue=queue_section(order, None), auth=auth_section())
     try:
         run = asyncio.run(run_live(gw.url, keyed(reqs, tenants), 1.0, fleet.urls))
-        # Decisions Nginx did not use (a late heartbeat falls open to its own ring): what explains a
-        # fair order that did not hold, with how long the quiet tenant waited at the gateway rather
-        # than inside the servers.
+        # What explains a fair order that did not hold: how long the quiet tenant waited at the
+        # gateway rather than inside the servers (and how often as past its share), and the
+        # requests Nginx routed on its own ring (a late answer falls open), which skip the queue.
         waited = gw.sidecar_metric('kvgate_tenant_queue_wait_seconds_sum{tenant="quiet"}')
         held = gw.sidecar_metric('kvgate_tenant_queue_wait_seconds_count{tenant="quiet"}')
-        dropped = gw.sidecar_metric("kvgate_decisions_dropped_total")
         past = gw.sidecar_metric('kvgate_tenant_past_share_queued_total{tenant="quiet"}')
-        print(f"{order}: quiet past share {past:.0f}")
-        print(f"{order}: {dropped:.0f} decisions dropped; the quiet tenant waited {waited:.1f} s in all")
-        print(f"at the gateway ({held:.0f} of its requests held)")
+        print(f"{order}: the quiet tenant waited {waited:.1f} s in all at the gateway")
+        print(f"({held:.0f} of its requests held, {past:.0f} as past its share)")
         print(f"{order}: fell open {fell_open(gw)}")
     finally:
         gw.stop()
     failed = [s.error for s in run.samples if not s.ok]
     assert not failed, failed[:3]
-    return report.pct(quiet(run.samples, tenants), 0.9)
+    return report.pct(quiet(run.samples, tenants), 0.9), waited
 
 
 def fell_open(gw: Gateway) -> list[str]:
@@ -66,10 +66,12 @@ def quiet(samples: Sequence[report.Sample], tenants: Sequence[str]) -> list[floa
 
 
 def test_the_fair_order_keeps_a_quiet_tenant_clear_of_a_flood(fleet: RealFleet) -> None:
-    reqs, tenants = two_tenants(DEFAULT_TRACE, 20.0, 4.0, words="vocab", block=32, model=MODEL)
+    reqs, tenants = two_tenants(DEFAULT_TRACE, 30.0, 4.0, words="vocab", block=32, model=MODEL)
     assert tenants.count(FLOOD) > 2 * tenants.count(QUIET)
     # Fair first: the prefixes it leaves cached can only help first come first served after it.
-    fair = quiet_p90(fleet, "fair", "fair", reqs, tenants)
-    fcfs = quiet_p90(fleet, "fcfs", "fcfs", reqs, tenants)
+    fair, fair_waited = quiet_p90(fleet, "fair", "fair", reqs, tenants)
+    fcfs, fcfs_waited = quiet_p90(fleet, "fcfs", "fcfs", reqs, tenants)
     print(f"quiet tenant's p90 TTFT: fair {fair:.3f} s, first come first served {fcfs:.3f} s")
+    # The order's own part: the gateway hardly holds the quiet tenant at all.
+    assert fair_waited < fcfs_waited / 10, (fair_waited, fcfs_waited)
     assert fair < fcfs / 2, (fair, fcfs)
