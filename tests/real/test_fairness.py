@@ -45,6 +45,12 @@ def quiet_p90(
         print(f"{order}: the quiet tenant waited {waited:.1f} s in all at the gateway")
         print(f"({held:.0f} of its requests held, {past:.0f} as past its share)")
         print(f"{order}: fell open {fell_open(gw)}")
+        # Why answers came late (kvgate.looplag): the loop held past Nginx's 50 ms budget, and the
+        # time the sidecar waited for a core.
+        lags = gw.sidecar_metric("kvgate_event_loop_lag_seconds_count")
+        in_time = gw.sidecar_metric('kvgate_event_loop_lag_seconds_bucket{le="0.05"}')
+        cpu = gw.sidecar_metric("kvgate_cpu_wait_seconds_total")
+        print(f"{order}: loop late past 50 ms {lags - in_time:.0f} times; waited {cpu:.1f} s for a core")
     finally:
         gw.stop()
     failed = [s.error for s in run.samples if not s.ok]
