@@ -20,14 +20,14 @@ def test_a_tenant_is_its_api_key_else_its_address_and_labels_stay_bounded() -> N
 
 def test_service_decays_by_half_each_window_and_old_tenants_are_forgotten() -> None:
     ledger = TenantLedger(half_life_s=10.0)
-    ledger.served("a", 800, now=0.0)
+    ledger.add("a", 800, now=0.0)
     assert ledger.attained("a", 0.0) == 800
     assert abs(ledger.attained("a", 10.0) - 400) < 1e-6
-    ledger.served("a", 100, now=10.0)
+    ledger.add("a", 100, now=10.0)
     assert abs(ledger.attained("a", 20.0) - 250) < 1e-6
     assert ledger.attained("nobody", 5.0) == 0.0
     for i in range(SWEEP_EVERY):  # a sweep, much later: "a" has decayed under one token
-        ledger.served(f"t{i}", 1000, now=1000.0)
+        ledger.add(f"t{i}", 1000, now=1000.0)
     assert len(ledger) == SWEEP_EVERY and ledger.attained("a", 1000.0) == 0.0
 
 
@@ -42,17 +42,17 @@ def test_the_depth_collector_counts_what_waits_now() -> None:
 
 def test_a_tenant_is_past_its_share_with_more_than_an_equal_part_of_the_recent_service() -> None:
     ledger = TenantLedger(half_life_s=10.0)
-    ledger.served("flood", 3_000, now=0.0)
+    ledger.add("flood", 3_000, now=0.0)
     assert not ledger.over_share("flood", 0.0)  # alone: no one to share with
-    ledger.served("quiet", 1_000, now=0.0)
+    ledger.add("quiet", 1_000, now=0.0)
     assert ledger.over_share("flood", 0.05) and not ledger.over_share("quiet", 0.05)
-    ledger.served("quiet", 4_000, now=1.0)
+    ledger.add("quiet", 4_000, now=1.0)
     assert ledger.over_share("quiet", 1.0) and not ledger.over_share("flood", 1.0)
     # A burst within one refresh of the active count: the total is the one of now, so no more than
     # one of two tenants is ever past its share (a total summed before the burst put both past it).
-    ledger.served("flood", 9_000, now=1.01)
+    ledger.add("flood", 9_000, now=1.01)
     assert ledger.over_share("flood", 1.02) and not ledger.over_share("quiet", 1.02)
     tiny = TenantLedger(half_life_s=10.0)
-    tiny.served("big", 100_000, now=0.0)
-    tiny.served("speck", 10, now=0.0)  # under 1 % of the service: not competing
+    tiny.add("big", 100_000, now=0.0)
+    tiny.add("speck", 10, now=0.0)  # under 1 % of the service: not competing
     assert not tiny.over_share("big", 0.0)

@@ -209,11 +209,11 @@ class GatewayQueue:
 
     def asked(self, tenant: str, tokens: int) -> None:
         """A request of ``tenant`` arrived (whether it is routed at once, waits or is refused)."""
-        self.demand.served(tenant, tokens, self.clock())
+        self.demand.add(tenant, tokens, self.clock())
 
     def served(self, tenant: str, tokens: int) -> None:
         """A request of ``tenant`` was routed (from the queue or not): its service grows."""
-        self.tenants.served(tenant, tokens, self.clock())
+        self.tenants.add(tenant, tokens, self.clock())
 
     def retry_after(self) -> int:
         """Seconds until the queue should have room: its length over the recent dispatch rate."""

@@ -134,10 +134,10 @@ class DecisionService:
             return Routed(did, policy, plan.decision, (), plan.pool, priority)
         if dry_run:
             return self.planner.routed(did, policy, plan, priority)
-        if self.queue is not None:  # what its tenant asks for, served or not (the fair reserve)
-            self.queue.asked(tenant_of(f), f.est_tokens)
-        plan, held = self._judge(did, f, plan, priority, 0.0)
         queue = self.queue
+        if queue is not None:  # what its tenant asks for, served or not (the fair reserve)
+            queue.asked(tenant_of(f), f.est_tokens)
+        plan, held = self._judge(did, f, plan, priority, 0.0)
         if queue is None:
             return await self._commit(did, policy, f, plan, priority, t0)
         past = queue.past_share(f)

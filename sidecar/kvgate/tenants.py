@@ -92,8 +92,9 @@ class TenantLedger:
         active = self._active[1]
         return active > 1 and self.attained(tenant, now) > total / active
 
-    def served(self, tenant: str, tokens: float, now: float) -> None:
-        """``tenant`` had a request routed with ``tokens`` estimated prompt tokens."""
+    def add(self, tenant: str, tokens: float, now: float) -> None:
+        """``tenant`` had a request of ``tokens`` estimated prompt tokens routed (or, for the demand
+        ledger, asked for)."""
         self._service[tenant] = _Service(self.attained(tenant, now) + tokens, now)
         # Kept exact as it goes, not summed now and then: in a burst, a total some counts old would
         # put every tenant past its share.
