@@ -81,7 +81,7 @@ def reply(d: dict[str, Any]) -> object:
     if kind == "error":
         return ErrorReply(ErrorCode(d["code"]), d["message"], d["retry_after"])
     if kind == "keys":
-        return KeysReply(d["version"], d["keys"])
+        return KeysReply(d["version"], d["keys"], d["priorities"])
     if kind == "peers":
         return PeersReply(
             d["version"],

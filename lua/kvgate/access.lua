@@ -218,6 +218,22 @@ local function fall_open(id, key, err, reason, answered)
     return ids, addrs
 end
 
+-- What a fall-open request's body carries for vLLM's scheduler: the priority the sidecar would have
+-- forwarded (Admission.priority_of there, decision_socket's forward rule): the client's where
+-- clients may set it, else its key's class; nothing for class 0 or a body that names its own.
+local function fall_open_body(body, raw, f, key_name)
+    if not conf.forward_priority or body.priority ~= nil or not raw then
+        return
+    end
+    local p = conf.client_priority and f.priority or nil
+    if p == nil then
+        p = auth.priority(key_name)
+    end
+    if p ~= 0 then
+        ngx.req.set_body_data(jsontext.with_fields(raw, { { "priority", str_format("%d", p) } }))
+    end
+end
+
 -- kind (the route's $kvgate_kind): "json" (a JSON body, or none for GET/DELETE), "responses" (the
 -- same, and the response's id becomes a session), "response_id" (the id in the path is the session),
 -- "multipart" (the body is not read).
@@ -243,6 +259,7 @@ function _M.run()
         request.new(id, kind, decision.ids, decision.addrs, route, read_s, strip_usage)
     else
         local ids, addrs = fall_open(id, f.key, err, reason, answered)
+        fall_open_body(body, raw, f, key_name)
         request.new(nil, kind, ids, addrs, "fail-open", read_timeouts(stream, f.max_tokens, #addrs, nil))
     end
 end

@@ -7,6 +7,7 @@ local cjson    = require "cjson.safe"
 local conf     = require "kvgate.conf"
 local errors   = require "kvgate.errors"
 local ffi      = require "ffi"
+local protocol = require "kvgate.protocol"
 local sidecar  = require "kvgate.sidecar"
 
 local ngx        = ngx
@@ -41,15 +42,15 @@ local function sha256_hex(s)
 end
 _M.sha256_hex = sha256_hex
 
-local cache = { version = nil, keys = nil }
+local cache = { version = nil, keys = nil, classes = {} }
 
 local function current_keys()
     local dict = ngx.shared[conf.dict]
     local version = dict:get("auth:version")
     if version ~= nil and version ~= cache.version then
-        local keys = cjson.decode(dict:get("auth:keys") or "")
-        if type(keys) == "table" then
-            cache.keys, cache.version = keys, version
+        local stored = cjson.decode(dict:get("auth:keys") or "")
+        if type(stored) == "table" and type(stored.keys) == "table" then
+            cache.keys, cache.classes, cache.version = stored.keys, stored.classes or {}, version
         end
     end
     return cache.keys
@@ -64,16 +65,21 @@ local function refresh(premature)
         return
     end
     local reply, err = sidecar.call_keys()
-    if not reply or type(reply.keys) ~= "table" then
-        ngx_log(ngx_WARN, "kvgate: API key refresh failed, keeping the last keys: ", err or "bad reply")
+    local version, keys, classes
+    if reply then
+        version, keys, classes = protocol.key_list(reply)
+        err = keys
+    end
+    if not version then
+        ngx_log(ngx_WARN, "kvgate: API key refresh failed, keeping the last keys: ", err)
         return
     end
-    if dict:get("auth:version") == reply.v then
+    if dict:get("auth:version") == version then
         return
     end
-    local ok, set_err = dict:set("auth:keys", cjson.encode(reply.keys))
+    local ok, set_err = dict:set("auth:keys", cjson.encode({ keys = keys, classes = classes }))
     if ok then
-        ok, set_err = dict:set("auth:version", reply.v)
+        ok, set_err = dict:set("auth:version", version)
     end
     if not ok then
         ngx_log(ngx_ERR, "kvgate: failed to store the API keys: ", set_err)
@@ -112,6 +118,13 @@ function _M.check()
         return errors.send(401, "Incorrect API key provided.", "invalid_request_error", nil, "invalid_api_key")
     end
     return name
+end
+
+-- A key's priority class, for Nginx routing on its own (the sidecar's Admission.priority_of): 0
+-- unless the config gives it one.
+function _M.priority(name)
+    current_keys()
+    return name and cache.classes[name] or 0
 end
 
 return _M

@@ -8,6 +8,7 @@ local ngx_log    = ngx.log
 local ngx_ERR    = ngx.ERR
 local ngx_now    = ngx.now
 local type       = type
+local pairs      = pairs
 local tostring   = tostring
 local math_floor = math.floor
 
@@ -172,6 +173,23 @@ function _M.peer_list(reply)
         known = #reply.peers
     end
     return reply.v, reply.peers, known
+end
+
+-- The API keys: version, {sha256 hex = key name}, {key name = priority} (the classes not 0); or
+-- nil, error.
+function _M.key_list(reply)
+    if type(reply.keys) ~= "table" or type(reply.v) ~= "number" then
+        return nil, "malformed keys reply"
+    end
+    local classes = {}
+    if type(reply.kp) == "table" then
+        for name, p in pairs(reply.kp) do
+            if type(name) == "string" and type(p) == "number" then
+                classes[name] = p
+            end
+        end
+    end
+    return reply.v, reply.keys, classes
 end
 
 -- The model cards of /v1/models, or nil, error.

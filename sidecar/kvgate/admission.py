@@ -106,5 +106,6 @@ class Admission:
     def keys(self) -> KeysReply:
         """The hashed API keys Nginx checks (versioned, so Nginx re-reads them only on change)."""
         keys = {k.sha256: k.name for k in self.config.auth.keys}
-        version = zlib.crc32(json.dumps(keys, sort_keys=True).encode())
-        return KeysReply(version, keys)
+        classes = {k.name: k.priority for k in self.config.auth.keys if k.priority}
+        version = zlib.crc32(json.dumps([keys, classes], sort_keys=True).encode())
+        return KeysReply(version, keys, classes)

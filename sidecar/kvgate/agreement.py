@@ -49,6 +49,9 @@ def gateway_settings(config: Config) -> dict[str, Any]:
         "limits": config.limited,
         "queue": config.queue.enabled,
         "queue_heartbeat_ms": round(config.queue.heartbeat_s * 1000),
+        # Nginx routing on its own forwards the priority the sidecar would have (priority_of).
+        "client_priority": config.queue.client_priority,
+        "forward_priority": config.queue.forward_priority,
         "edge_access": g.edge_access or "",
         "tokenize_bytes": body_bytes,
         # Nginx reads each response's usage: rate limits count its tokens, the exact index its

@@ -5,7 +5,7 @@ wire format), and the outcome reports every decision ends in."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
 
@@ -170,6 +170,8 @@ class KeysReply:
 
     version: int
     keys: Mapping[str, str]  # sha256 hex -> key name
+    # key name -> its priority class, where not 0: what Nginx forwards when it routes on its own
+    priorities: Mapping[str, int] = field(default_factory=dict)
 
 
 Reply = DecisionReply | QueuedReply | ErrorReply | PeersReply | ModelsReply | KeysReply

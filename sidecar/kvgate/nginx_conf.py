@@ -76,6 +76,8 @@ class NginxSettings:
     limits: bool = _taken("limits")  # rate limits apply
     queue: bool = _taken("queue", lua=False)  # the gateway queue is on (the sidecar's business)
     queue_heartbeat_ms: int = _taken("queue_heartbeat_ms")
+    client_priority: bool = _taken("client_priority")  # fail-open: the client's priority counts
+    forward_priority: bool = _taken("forward_priority")  # fail-open: the priority goes in the body
     # Drop-in into an edge that has its own Lua setup: kvgate-http.conf leaves out lua_package_path,
     # init_by_lua and init_worker_by_lua (one of each per http{}); the edge's own call kvgate's
     # (kvgate-init.lua, and require("kvgate.gateway").init_worker()).

@@ -29,7 +29,8 @@ sidecar -> Lua::
     {"pv":4,"v":peers version,"peers":[{"id":backend id,"addr":"host:port"},...],"n":backends known,
      "fp":the sidecar's settings fingerprint,"au":auth on,"li":rate limits on}
     {"pv":4,"data":[model card,...]}
-    {"pv":4,"v":keys version,"keys":{sha256 hex:key name,...}}
+    {"pv":4,"v":keys version,"keys":{sha256 hex:key name,...},
+     "kp":{key name:priority,...} the keys whose class is not 0 (fail-open forwards it)}
 
 Nginx names each decision (``i``, unique per gateway) before asking, so it can end a decision it will
 not use (a late answer, fail-open, a client gone before dispatch) without having heard the answer.
@@ -321,7 +322,10 @@ def encode_reply(reply: Reply) -> dict[str, Any]:
             err["ra"] = reply.retry_after
         return err
     if isinstance(reply, KeysReply):
-        return {"pv": VERSION, "v": reply.version, "keys": dict(reply.keys)}
+        keys: dict[str, Any] = {"pv": VERSION, "v": reply.version, "keys": dict(reply.keys)}
+        if reply.priorities:
+            keys["kp"] = dict(reply.priorities)
+        return keys
     if isinstance(reply, PeersReply):
         return {
             "pv": VERSION,
@@ -342,7 +346,7 @@ def decode_reply(d: Mapping[str, Any]) -> Reply:
     if "e" in d:
         return ErrorReply(ErrorCode(d["e"]), str(d.get("msg", "")), d.get("ra"))
     if "keys" in d:
-        return KeysReply(int(d["v"]), dict(d["keys"]))
+        return KeysReply(int(d["v"]), dict(d["keys"]), dict(d.get("kp", {})))
     if "q" in d:
         return QueuedReply(str(d["i"]))
     if "c" in d:

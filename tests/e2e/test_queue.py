@@ -131,6 +131,44 @@ def test_the_clients_priority_is_forwarded_to_the_backend(stack: Supervisor) -> 
     assert status == 200
 
 
+@pytest.mark.parametrize("client_priority", [True, False])
+def test_with_the_sidecar_gone_the_priority_is_still_forwarded(
+    stack: Supervisor, client_priority: bool
+) -> None:
+    """Nginx routing on its own (the sidecar killed) writes the priority the sidecar would have: the
+    client's X-Priority where clients may set it, else its key's class; none for class 0 or a body
+    that names its own. (The simulated backends refuse a non-zero priority by name, which shows the
+    value that arrived.)"""
+    classed, plain = "sk-priority-class-0001", "sk-default-class-00002"
+    keys = {
+        "keys": [
+            {"name": "classed", "sha256": hash_key(classed), "priority": 2},
+            {"name": "plain", "sha256": hash_key(plain)},
+        ]
+    }
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    gw = gateway(stack, {"auth": keys}, client_priority=client_priority, forward_priority=True)
+    chat = gw.url + "/v1/chat/completions"
+    wait_until(lambda: http_json("POST", chat, body, bearer(plain))[0] == 200, timeout=10)
+    stack.kill(gw.sidecar.name)
+    status, answer = http_json("POST", chat, body, {**bearer(plain), "X-Priority": "3"})
+    if client_priority:
+        assert status == 400 and "Got priority 3" in answer["error"]["message"], answer
+    else:
+        assert status == 200, answer  # the client may not choose, and its key's class is 0
+    status, answer = http_json("POST", chat, body, bearer(classed))
+    assert status == 400 and "Got priority 2" in answer["error"]["message"], answer
+    status, answer = http_json("POST", chat, {**body, "priority": 0}, bearer(classed))
+    assert status == 200, answer
+    text = http_json("GET", gw.url + "/kvgate/metrics", None, bearer(plain))[1]
+    fell_open = re.findall(r'^kvgate_gateway_failopen_total\{reason="(\w+)"\} (\S+)$', text, re.M)
+    assert sum(float(n) for _, n in fell_open) == 3, fell_open
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
 def test_one_key_flooding_the_queue_leaves_the_other_keys_their_room(stack: Supervisor) -> None:
     """One key sent all its requests at once and held every slot; another key's requests all got
     429 queue_full. Now a key holds at most its share (here half of 8): the flood's excess is

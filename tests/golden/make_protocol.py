@@ -89,7 +89,7 @@ REPLIES = [
     ErrorReply(ErrorCode.UNKNOWN_MODEL, "The model `x` does not exist."),
     ErrorReply(ErrorCode.PROTOCOL_VERSION, "protocol version mismatch"),
     ErrorReply(ErrorCode.RATE_LIMITED, "Rate limit reached; retry later.", 42),
-    KeysReply(7, {"a" * 64: "team-a"}),
+    KeysReply(7, {"a" * 64: "team-a", "b" * 64: "team-b"}, {"team-b": -2}),
     PeersReply(
         3,
         (Candidate("sim-0", "127.0.0.1:8001"), Candidate("sim-1", "127.0.0.1:8002")),
@@ -150,7 +150,7 @@ def reply(r: object) -> dict[str, object]:
     if isinstance(r, ErrorReply):
         return {"kind": "error", "code": r.code.value, "message": r.message, "retry_after": r.retry_after}
     if isinstance(r, KeysReply):
-        return {"kind": "keys", "version": r.version, "keys": dict(r.keys)}
+        return {"kind": "keys", "version": r.version, "keys": dict(r.keys), "priorities": dict(r.priorities)}
     if isinstance(r, PeersReply):
         return {
             "kind": "peers",
