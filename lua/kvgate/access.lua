@@ -20,8 +20,6 @@ local stats    = require "kvgate.stats"
 
 local ngx        = ngx
 local ngx_var    = ngx.var
-local ngx_log    = ngx.log
-local ngx_WARN   = ngx.WARN
 local ngx_now    = ngx.now
 local type       = type
 local tostring   = tostring
@@ -202,38 +200,6 @@ local function backend_body(body, raw, decision, kind)
     return route, strip_usage
 end
 
--- Routing without the sidecar: the local ring over the last known healthy peers.
-local function fall_open(id, key, err, reason, answered)
-    if not answered then
-        -- The sidecar may have made (and counted) the decision we did not wait for.
-        outbox.push(protocol.drop(id))
-    end
-    stats.incr("m:failopen:", reason)
-    ngx_log(ngx_WARN, "kvgate: sidecar decision failed (", err or "no eligible backend",
-            "); routing on the local ring")
-    local ids, addrs = failopen.order(key)
-    if #addrs == 0 then
-        return errors.send(503, "No healthy backend is available.")
-    end
-    return ids, addrs
-end
-
--- What a fall-open request's body carries for vLLM's scheduler: the priority the sidecar would have
--- forwarded (Admission.priority_of there, decision_socket's forward rule): the client's where
--- clients may set it, else its key's class; nothing for class 0 or a body that names its own.
-local function fall_open_body(body, raw, f, key_name)
-    if not conf.forward_priority or body.priority ~= nil or not raw then
-        return
-    end
-    local p = conf.client_priority and f.priority or nil
-    if p == nil then
-        p = auth.priority(key_name)
-    end
-    if p ~= 0 then
-        ngx.req.set_body_data(jsontext.with_fields(raw, { { "priority", str_format("%d", p) } }))
-    end
-end
-
 -- kind (the route's $kvgate_kind): "json" (a JSON body, or none for GET/DELETE), "responses" (the
 -- same, and the response's id becomes a session), "response_id" (the id in the path is the session),
 -- "multipart" (the body is not read).
@@ -258,8 +224,11 @@ function _M.run()
         local read_s = read_timeouts(stream, f.max_tokens, #decision.addrs, decision.first_byte_ms)
         request.new(id, kind, decision.ids, decision.addrs, route, read_s, strip_usage)
     else
-        local ids, addrs = fall_open(id, f.key, err, reason, answered)
-        fall_open_body(body, raw, f, key_name)
+        local ids, addrs = failopen.route(id, f.key, err, reason, answered)
+        local p = failopen.priority(body, raw, f, key_name)
+        if p then
+            ngx.req.set_body_data(jsontext.with_fields(raw, { { "priority", str_format("%d", p) } }))
+        end
         request.new(nil, kind, ids, addrs, "fail-open", read_timeouts(stream, f.max_tokens, #addrs, nil))
     end
 end

@@ -1,12 +1,17 @@
 -- Fail-open routing: when the sidecar errors or times out, Nginx routes on its own over the last
--- healthy peers the sidecar gave it. One worker refreshes the list every second into the shared dict
--- (peers:list, peers:version, under a dict:add lock); each worker decodes it once per version.
+-- healthy peers the sidecar gave it, with the priority the sidecar would have forwarded. One worker
+-- refreshes the list every second into the shared dict (peers:list, peers:version, under a dict:add
+-- lock); each worker decodes it once per version.
 
 local agreement = require "kvgate.agreement"
+local auth      = require "kvgate.auth"
 local cjson     = require "cjson.safe"
 local conf      = require "kvgate.conf"
+local errors    = require "kvgate.errors"
+local outbox    = require "kvgate.outbox"
 local protocol  = require "kvgate.protocol"
 local sidecar   = require "kvgate.sidecar"
+local stats     = require "kvgate.stats"
 
 local ngx       = ngx
 local ngx_log   = ngx.log
@@ -63,6 +68,37 @@ function _M.order(key)
         addrs[i] = scored[i].p.addr
     end
     return ids, addrs
+end
+
+-- A request the sidecar did not decide (access's fail-open): ids, addrs on the local ring, counted
+-- by ``reason``; or it ends with a 503 when no peer is known.
+function _M.route(id, key, err, reason, answered)
+    if not answered then
+        -- The sidecar may have made (and counted) the decision we did not wait for.
+        outbox.push(protocol.drop(id))
+    end
+    stats.incr("m:failopen:", reason)
+    ngx_log(ngx_WARN, "kvgate: sidecar decision failed (", err or "no eligible backend",
+            "); routing on the local ring")
+    local ids, addrs = _M.order(key)
+    if #addrs == 0 then
+        return errors.send(503, "No healthy backend is available.")
+    end
+    return ids, addrs
+end
+
+-- The priority a fail-open request's body gets for vLLM's scheduler, or nil: what the sidecar would
+-- have forwarded (Admission.priority_of there, and decision_socket's rule), the client's where
+-- clients may set it, else its key's class; nothing for class 0 or a body that names its own.
+function _M.priority(body, raw, f, key_name)
+    if not conf.forward_priority or body.priority ~= nil or not raw then
+        return nil
+    end
+    local p = conf.client_priority and f.priority or nil
+    if p == nil then
+        p = auth.priority(key_name)
+    end
+    return p ~= 0 and p or nil
 end
 
 local function refresh(premature)
