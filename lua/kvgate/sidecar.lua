@@ -14,6 +14,13 @@ local _M = {}
 local KEEPALIVE_MS   = 60000
 local KEEPALIVE_POOL = 64
 
+-- A queued request's wait ends (fail-open) after this many heartbeat periods of silence, plus the
+-- decision budget. A dead sidecar closes the connection at once; only a hung one needs the timeout.
+-- At two periods, one stall of the sidecar's loop a little over one period (seen: 0.5-1 s, on a host
+-- whose cores the engines saturate) sent every waiting request around the queue at once (74 in one
+-- second), which is the load the queue was holding back.
+local SILENT_BEATS = 4
+
 -- A read that timed out may have lost only to this worker being busy. Nginx handles the events of
 -- one wakeup, then expires timers, then looks for new events: an answer that arrived while the worker
 -- ran other requests' handlers (a burst of large bodies) is in the socket, unseen, when its timer
@@ -92,7 +99,7 @@ end
 
 function _M.decide(id, features)
     local budget = conf.decision_timeout_ms
-    return call(protocol.decide(id, features), true, budget, 2 * conf.queue_heartbeat_ms + budget)
+    return call(protocol.decide(id, features), true, budget, SILENT_BEATS * conf.queue_heartbeat_ms + budget)
 end
 
 function _M.peers()

@@ -66,8 +66,8 @@ def test_heartbeats_that_stop_mean_a_dead_sidecar_and_the_request_falls_open(pha
     status, headers, _ = phase.post(headers={"X-Session-ID": "stranded"})
     waited = time.monotonic() - t0
     assert status == 200 and headers["X-Kvgate-Route"] == "fail-open"
-    # Two heartbeats came (0.2 s); then silence for 2 heartbeats + the 50 ms budget.
-    assert 0.3 <= waited < 1.5
+    # Two heartbeats came (0.2 s); then silence for 4 heartbeats + the 50 ms budget.
+    assert 0.6 <= waited < 1.5
     did = phase.sidecar.decides()[-1]["i"]
     wait_until(lambda: {"k": "drop", "i": did} in phase.sidecar.outcomes(), timeout=2)
 
