@@ -174,10 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             these = [dataclasses.replace(reqs[i], rid=n) for n, i in enumerate(picked)]
             whose = [tenants[i] for i in picked]
             if fleet:
-                served, refused, failed = fairness_live.replay(
+                served, refused, failed, notes = fairness_live.replay(
                     fleet, these, whose, queue_section(order, reserve), label, out
                 )
-                rows.append(row(label, whose, served, refused, failed))
+                rows.append({**row(label, whose, served, refused, failed), "gateway": notes})
             else:
                 rows.append(
                     {**run(these, whose, order, args.backends, args.profile, reserve), "order": label}
@@ -197,6 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{q['p90']:.3f} s ({q['p90'] / alone['p90']:.2f}x) | {flood} | {line['rejected']} | "
             f"{line['failed']} |"
         )
+    for line in rows:
+        if (g := line.get("gateway")) is not None:  # live runs: why the quiet tenant's time went
+            lines.append(
+                f"\n{line['order']}: the quiet tenant waited {g['quiet_wait_s']:.1f} s at the gateway in all "
+                f"({g['quiet_held']:.0f} requests held, {g['quiet_past_share']:.0f} as past its share); "
+                f"{g['fell_open']:.0f} requests fell open to Nginx's ring; the sidecar's loop ran over "
+                f"50 ms late {g['loop_late']:.0f} times and waited {g['cpu_wait_s']:.1f} s for a core"
+            )
     text = "\n".join(lines) + "\n"
     print(text)
     head = report.header(["fairness", *(sys.argv[1:] if argv is None else argv)])

@@ -93,11 +93,12 @@ def bucket_quantile(before: dict[float, float], after: dict[float, float], q: fl
 def counter_value(
     fams: dict[str, list[tuple[dict[str, str], float, str]]], name: str, **labels: str
 ) -> float:
-    """A counter's value (``name`` without ``_total``), or a histogram's count (``name`` ending in
-    ``_count``: prometheus_client files it under the histogram's family)."""
+    """A counter's value (``name`` without ``_total``), or a histogram's count or sum (``name`` ending
+    in ``_count`` or ``_sum``: prometheus_client files them under the histogram's family)."""
     family, sample = name, None
-    if name.endswith("_count"):
-        family, sample = name[: -len("_count")], name
+    for suffix in ("_count", "_sum"):
+        if name.endswith(suffix):
+            family, sample = name[: -len(suffix)], name
     return sum(
         v
         for lab, v, s in fams.get(family, [])

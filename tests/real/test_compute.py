@@ -20,15 +20,11 @@ def test_a_priority_request_overtakes_the_waiting_ones(fleet: RealFleet, tokens:
     """One server (--scheduling-policy priority), eight long prefills queued on it, then one with
     X-Priority: -1, which kvgate writes into the body (queue.forward_priority): it finishes before
     most of those sent earlier (running requests are not preempted; waiting ones are passed)."""
-    # A decision answered later than its budget falls open to Nginx's own ring, which forwards no
-    # priority (the sidecar owns it); with the engines saturating the host's cores the sidecar was
-    # once that late. This test is about the forwarding, so its budget is generous; the route says.
+    # A decision answered later than its budget (the engines saturate the host's cores) falls open
+    # to Nginx's own ring, which forwards the same priority (failopen.priority): either way vLLM
+    # sees it. The route says which way it went.
     gw = Gateway(
-        fleet.sup,
-        "prio",
-        ids(fleet, [0]),
-        queue={"client_priority": True, "forward_priority": True},
-        gateway={"decision_timeout_ms": 2000},
+        fleet.sup, "prio", ids(fleet, [0]), queue={"client_priority": True, "forward_priority": True}
     )
     try:
         finished: list[tuple[float, str]] = []
@@ -60,8 +56,7 @@ def test_a_priority_request_overtakes_the_waiting_ones(fleet: RealFleet, tokens:
         for t in [*threads, vip]:
             t.join(120)
         order = [name for _, name in sorted(finished)]
-        print(order, "vip routed as", routes.get("vip"))
-        assert routes["vip"] != "fail-open", routes
+        print(order, "routes:", sorted(set(routes.values())), "vip's:", routes.get("vip"))
         assert order.index("vip") <= 4, order  # ahead of at least four sent before it
     finally:
         gw.stop()

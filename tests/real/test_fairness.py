@@ -11,21 +11,18 @@ order (the flood's decodes, cores shared with them) does not."""
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from collections.abc import Sequence
 
 import pytest
 
 from kvgate_bench import report
 from kvgate_bench.fairness import FLOOD, QUIET, queue_section, two_tenants
-from kvgate_bench.fairness_live import KEYS, auth_section, keyed
+from kvgate_bench.fairness_live import auth_section, gateway_notes, keyed
 from kvgate_bench.stream_client import run_live
 from kvgate_bench.workloads import DEFAULT_TRACE, BenchRequest
 from tests.real.conftest import MODEL, Gateway, RealFleet, ids
 
 pytestmark = pytest.mark.real
-
-FAILOPEN = "kvgate_gateway_failopen_total"  # Nginx's count of requests it routed on its own, by why
 
 
 def quiet_p90(
@@ -36,35 +33,16 @@ def quiet_p90(
     gw = Gateway(fleet.sup, name, ids(fleet), queue=queue_section(order, None), auth=auth_section())
     try:
         run = asyncio.run(run_live(gw.url, keyed(reqs, tenants), 1.0, fleet.urls))
-        # What explains a fair order that did not hold: how long the quiet tenant waited at the
-        # gateway rather than inside the servers (and how often as past its share), and the
-        # requests Nginx routed on its own ring (a late answer falls open), which skip the queue.
-        waited = gw.sidecar_metric('kvgate_tenant_queue_wait_seconds_sum{tenant="quiet"}')
-        held = gw.sidecar_metric('kvgate_tenant_queue_wait_seconds_count{tenant="quiet"}')
-        past = gw.sidecar_metric('kvgate_tenant_past_share_queued_total{tenant="quiet"}')
-        print(f"{order}: the quiet tenant waited {waited:.1f} s in all at the gateway")
-        print(f"({held:.0f} of its requests held, {past:.0f} as past its share)")
-        print(f"{order}: fell open {fell_open(gw)}")
-        # Why answers came late (kvgate.looplag): the loop held past Nginx's 50 ms budget, and the
-        # time the sidecar waited for a core.
-        lags = gw.sidecar_metric("kvgate_event_loop_lag_seconds_count")
-        in_time = gw.sidecar_metric('kvgate_event_loop_lag_seconds_bucket{le="0.05"}')
-        cpu = gw.sidecar_metric("kvgate_cpu_wait_seconds_total")
-        print(f"{order}: loop late past 50 ms {lags - in_time:.0f} times; waited {cpu:.1f} s for a core")
+        # What explains a fair order that did not hold: the quiet tenant's wait at the gateway rather
+        # than inside the servers, the requests that fell open to Nginx's ring (they skip the queue),
+        # and why answers came late (the sidecar's loop lag and CPU wait).
+        notes = gateway_notes(gw.url, gw.sidecar)
+        print(f"{order}: {notes}")
     finally:
         gw.stop()
     failed = [s.error for s in run.samples if not s.ok]
     assert not failed, failed[:3]
-    return report.pct(quiet(run.samples, tenants), 0.9), waited
-
-
-def fell_open(gw: Gateway) -> list[str]:
-    """Nginx's count of requests it routed on its own, by why (its metrics need a key, as here)."""
-    req = urllib.request.Request(
-        gw.url + "/kvgate/metrics", headers={"Authorization": f"Bearer {KEYS[QUIET]}"}
-    )
-    with urllib.request.urlopen(req, timeout=10.0) as resp:
-        return [ln for ln in resp.read().decode().splitlines() if ln.startswith(FAILOPEN)]
+    return report.pct(quiet(run.samples, tenants), 0.9), notes["quiet_wait_s"]
 
 
 def quiet(samples: Sequence[report.Sample], tenants: Sequence[str]) -> list[float]:
