@@ -1,7 +1,9 @@
 -- API keys at the gateway: Authorization: Bearer <key>, checked against the keys' SHA-256 hashes the
 -- sidecar hands out (never the keys). One worker refreshes them every second into the shared dict
--- (auth:keys, auth:version); each worker decodes them once per version. Nginx checks keys itself, so
--- auth holds while the sidecar is away: it fails closed (503 until the keys first arrive).
+-- (auth:keys, auth:classes, auth:version); each worker decodes them once per version. Nginx checks
+-- keys itself, so auth holds while the sidecar is away: it fails closed (503 until the keys first
+-- arrive). The classes (a key's priority) are kept apart from the keys, so that a shared dict filled
+-- by an older release still reads after a reload.
 
 local cjson    = require "cjson.safe"
 local conf     = require "kvgate.conf"
@@ -48,9 +50,10 @@ local function current_keys()
     local dict = ngx.shared[conf.dict]
     local version = dict:get("auth:version")
     if version ~= nil and version ~= cache.version then
-        local stored = cjson.decode(dict:get("auth:keys") or "")
-        if type(stored) == "table" and type(stored.keys) == "table" then
-            cache.keys, cache.classes, cache.version = stored.keys, stored.classes or {}, version
+        local keys = cjson.decode(dict:get("auth:keys") or "")
+        if type(keys) == "table" then
+            local classes = cjson.decode(dict:get("auth:classes") or "")
+            cache.keys, cache.classes, cache.version = keys, type(classes) == "table" and classes or {}, version
         end
     end
     return cache.keys
@@ -77,7 +80,11 @@ local function refresh(premature)
     if dict:get("auth:version") == version then
         return
     end
-    local ok, set_err = dict:set("auth:keys", cjson.encode({ keys = keys, classes = classes }))
+    -- The classes first: a worker that sees the new version reads both.
+    local ok, set_err = dict:set("auth:classes", cjson.encode(classes))
+    if ok then
+        ok, set_err = dict:set("auth:keys", cjson.encode(keys))
+    end
     if ok then
         ok, set_err = dict:set("auth:version", version)
     end
