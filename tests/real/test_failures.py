@@ -58,9 +58,10 @@ def test_a_client_that_leaves_mid_stream_ends_the_engines_request_within_a_secon
 
 
 def both_serve_again(kvgate: Gateway, tokens: Tokens, victim: int) -> None:
-    """The victim is healthy again and new requests reach both servers; nothing stays in flight.
-    Twelve at once, so that the bounded load spreads them: one at a time, each went to whichever
-    server's predicted TTFT was lower, all twelve to one of them in a CI run, as designed."""
+    """The victim is healthy again and new requests reach it; nothing stays in flight. (That the
+    other server serves was shown while the victim was down. Which of the two takes these is the
+    policy's choice: in two CI runs all twelve went to the restarted server, sent one at a time and
+    sent at once; locally they split 6 and 6.)"""
     wait_until(lambda: kvgate.backends()[f"vllm-{victim}"]["state"] == "healthy", timeout=10)
     served: list[str] = []
 
@@ -81,7 +82,7 @@ def both_serve_again(kvgate: Gateway, tokens: Tokens, victim: int) -> None:
     for t in threads:
         t.join(60)
     print("served by", {b: served.count(b) for b in sorted(set(served))})
-    assert len(served) == 12 and set(served) == {"vllm-0", "vllm-1"}, served
+    assert len(served) == 12 and f"vllm-{victim}" in served, served
     wait_until(lambda: idle(kvgate), timeout=2)
 
 
