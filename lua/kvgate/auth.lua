@@ -128,9 +128,8 @@ function _M.check()
 end
 
 -- A key's priority class, for Nginx routing on its own (the sidecar's Admission.priority_of): 0
--- unless the config gives it one.
+-- unless the config gives it one. ``name`` comes from check(), which brought the cache up to date.
 function _M.priority(name)
-    current_keys()
     return name and cache.classes[name] or 0
 end
 
