@@ -139,3 +139,16 @@ def test_backends_that_left_are_forgotten() -> None:
         b.learn(bid, 100, 0.1)
     b.forget({"b"})
     assert len(b) == 1 and b.describe("b") is not None and b.describe("a") is None
+
+
+def test_a_fit_without_a_cost_per_token_does_not_see_the_queue() -> None:
+    """Answers whose first byte did not follow their work leave a flat line: it predicts the same
+    behind any queue, and says so; one whose first byte grew with its work sees the queue."""
+    fb = FirstByteBudget(GatewayConfig())
+    for work in (100, 400, 1_600, 200, 800):
+        fb.learn("falling", work, 0.2 - work * 1e-6)
+        fb.learn("flat", work, 0.2 + work * 1e-8)  # 10 ns a token: 0.3 % of the first byte
+        fb.learn("sloped", work, 0.02 + work / 10_000)
+    assert fb.predict("falling", 100) == fb.predict("falling", 20_000)
+    assert not fb.sees_queue("falling") and not fb.sees_queue("flat") and not fb.sees_queue("unknown")
+    assert fb.sees_queue("sloped")

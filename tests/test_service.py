@@ -277,6 +277,38 @@ def test_a_request_goes_where_its_first_byte_is_expected_first_unless_its_sessio
     assert run(scenario(0.2, "bound")) == ("stayed", Reason.SESSION)
 
 
+def test_a_burst_is_not_all_sent_to_a_backend_whose_fit_expects_it_sooner() -> None:
+    """Both fits saw prompts whose first byte did not follow their size (0.03 s on b0 and 0.2 s on
+    b1, learned while a neighbour restarted, say, with a slope of 10 ns per token), so neither
+    expectation grows by anything worth the name with the prefill queued there. Twelve new short
+    prompts at once, far from saturating either backend: b0, expected sooner, takes no more than
+    the ordinary load bound allows (it holds none of them), b1 the rest; every count ends at zero.
+    (With the holders' bound for every move, b0 took all twelve.)"""
+    import math
+
+    from tests.cores import core
+
+    async def scenario() -> list[str]:
+        sc = core(n=2, routing={"saturation_prefill_tokens": 32_768})
+        for work in (100, 400, 1_600, 200, 800):
+            sc.service.first_byte.learn("b0", work, 0.03 + work * 1e-8)  # shown as 0.0 s per 1k
+            sc.service.first_byte.learn("b1", work, 0.2 + work * 1e-8)
+        went = []
+        for i in range(12):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"question {i}: " + "why " * 150}],
+            }
+            went.append((await sc.service.route(extract(body), f"d{i}")).candidates[0].id)
+        for i, b in enumerate(went):
+            sc.service.report([Outcome.end(f"d{i}", b, 200, True, 0.1, 0.2)])
+        assert sum(sc.registry.ledger.counts.values()) == 0
+        return went
+
+    went = run(scenario())
+    assert "b1" in went and went.count("b0") <= math.ceil(1.25 * 12 / 2), went
+
+
 def test_a_backend_that_serves_none_of_its_credited_prefix_is_counted_as_prefilling_it() -> None:
     """The index credits the backend with the prompt it was sent before; its scrapes say its cache
     served none of it (evicted, say): the prefill this gateway counts there (the in-flight ledger

@@ -43,6 +43,10 @@ MAX_SECONDS_PER_ATTENTION = 0.01  # per token per 1,000 tokens of context: the s
 # the second, the quiet tenant's p90 of `kvgate-bench fairness` rose by 3-11 %.
 ATTENTION_GAIN = 0.3
 ATTENTION_SHARE = 0.5
+# A fit whose cost of work explains less of the mean first byte than this is blind to the queue
+# (``sees_queue``). On two real vLLM servers after a restart both fits had a slope under 1e-7 s per
+# token: positive, and no guard against sending one of them every request of a burst.
+QUEUE_SHARE = 0.1
 
 
 Work = tuple[int, float]  # prefill tokens and their attention (``attention_of``)
@@ -125,6 +129,18 @@ class FirstByteBudget:
             return None
         a, b, d = fit.model()
         return a + b * work + d * attention
+
+    def sees_queue(self, backend: str) -> bool:
+        """Whether ``backend``'s prediction grows with the prefill queued ahead: whether the work
+        its answers saw explains at least ``QUEUE_SHARE`` of their mean first byte. A fit from
+        answers whose first byte did not follow their work (prompts of one size, a noisy host) has
+        no cost per token worth the name, and predicts about the same seconds behind one request as
+        behind twenty."""
+        fit = self._fits.get(backend)
+        if fit is None or fit.n < MIN_SAMPLES or fit.y <= 0.0:
+            return False
+        _, b, d = fit.model()
+        return (b * fit.t + d * fit.q) / fit.y >= QUEUE_SHARE
 
     def budget_ms(self, backend: str, work: int, trusted: bool, attention: float = 0.0) -> int:
         """The first-byte timeout of one try on ``backend``; ``trusted``: its load is known and it is

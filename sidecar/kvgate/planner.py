@@ -23,7 +23,16 @@ from kvgate.first_byte import FirstByteBudget, Work, attention_of
 from kvgate.load import Scraped
 from kvgate.messages import Candidate
 from kvgate.metrics import SidecarMetrics
-from kvgate.policies import Decision, Reason, Request, SessionAction, Snapshot, decide, uncached_tokens
+from kvgate.policies import (
+    Decision,
+    Reason,
+    Request,
+    SessionAction,
+    Snapshot,
+    decide,
+    placement_admits,
+    uncached_tokens,
+)
 from kvgate.prefix_index import Match, PrefixIndex
 from kvgate.realized import Realized
 from kvgate.registry import Registry
@@ -263,7 +272,11 @@ class Planner:
     def _placed(self, plan: Plan, policy: PolicyName) -> Plan:
         """The kvgate policy's plan, its pick given way to the backend expected first (``ttft_margin``)
         among those not saturated and within the holders' bound (``holder_load_factor``: the
-        expectation already counts the prefill queued there; the bound still stops a hot spot).
+        expectation already counts the prefill queued there; the bound still stops a hot spot). A
+        backend whose fit has no cost per token worth the name (``FirstByteBudget.sees_queue``) is
+        expected as soon behind any queue, so a move there keeps the bound the policy gives it
+        (``placement_admits``): twelve requests at once all went to such a backend on two real vLLM
+        servers.
         A pick without room for the request (``Snapshot.fits``) gives way to the backend expected
         first among those with room, when one has: sent there, the request would share a step
         with the prefill already waiting, or wait behind it."""
@@ -278,7 +291,12 @@ class Planner:
             if roomy:
                 best = min(roomy, key=lambda n: figures.get(n, (math.inf,))[0])  # unknown: last
                 return dataclasses.replace(plan, decision=to_front(plan.decision, best, Reason.TTFT))
-        admits = snap.bound_admits(max(lim.load_factor, lim.holder_load_factor))
+        holders = snap.bound_admits(max(lim.load_factor, lim.holder_load_factor))
+        own_bound = placement_admits(plan.req, snap)
+
+        def admits(n: str) -> bool:
+            return holders(n) if self.first_byte.sees_queue(n) else own_bound(n)
+
         now = {n: e[0] for n, e in figures.items() if n == first or (admits(n) and not snap.saturated(n))}
         return dataclasses.replace(plan, decision=fastest(plan.decision, now, margin))
 

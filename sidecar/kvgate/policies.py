@@ -145,15 +145,16 @@ class Snapshot:
         )
         return clear >= min(reserve, len(self.nodes) - 1)
 
-    def bound_admits(self, c: float | None = None) -> Callable[[str], bool]:
+    def bound_admits(self, c: float | Callable[[str], float] | None = None) -> Callable[[str], bool]:
         """Bounded-load test: a node may take one more request while under c x its fair share
-        (``routing.load_factor`` unless given)."""
+        (``routing.load_factor`` unless given; a function: each node's own c)."""
         total = sum(self.requests(n) for n in self.nodes)
         weights = self.total_weight
-        c = self.limits.load_factor if c is None else c
+        factor = self.limits.load_factor if c is None else c
 
         def admits(node: str) -> bool:
             v = self.nodes[node]
+            c = factor(node) if callable(factor) else factor
             cap = math.ceil(c * (total + 1) * v.weight / weights)
             return self.requests(node) + 1 <= cap and not self.saturated(node)
 
@@ -305,11 +306,24 @@ def _holder_admits(req: Request, snap: Snapshot) -> Callable[[str], bool]:
     about again). Steep, because a holder of part of a prompt still prefills the rest behind its
     crowd: at half the prompt the bound has moved 1/16 of the way, at 95 % 81 % of it."""
     best = max((d for n, d in req.prefix_depth.items() if n in snap.nodes), default=0)
+    return snap.bound_admits(_holder_factor(req, snap, best))
+
+
+def placement_admits(req: Request, snap: Snapshot) -> Callable[[str], bool]:
+    """Each node's own holder bound, from the share of this prompt it holds: what a move to a
+    backend expected sooner keeps when that expectation cannot see the queue there
+    (``kvgate.planner``)."""
+    return snap.bound_admits(lambda n: _holder_factor(req, snap, req.prefix_depth.get(n, 0)))
+
+
+def _holder_factor(req: Request, snap: Snapshot, depth: int) -> float:
+    """c for a node holding ``depth`` chunks of this prompt: ``load_factor`` plus the fourth power
+    of the share held times the way to ``holder_load_factor``."""
     est = req.features.est_tokens
-    held = 1.0 - uncached_tokens(req.features, best) / est if est > 0 else 0.0
+    held = 1.0 - uncached_tokens(req.features, depth) / est if est > 0 else 0.0
     low = snap.limits.load_factor
     high = max(low, snap.limits.holder_load_factor)
-    return snap.bound_admits(low + (high - low) * held**4)
+    return low + (high - low) * held**4
 
 
 def kvgate(req: Request, snap: Snapshot, limit: int) -> Decision:
