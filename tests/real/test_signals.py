@@ -51,6 +51,7 @@ def test_a_burst_shows_in_the_backends_load_and_falls_back(kvgate: Gateway, toke
     body = {"model": MODEL, "max_tokens": 1500, "ignore_eos": True, "stream": True}
     started = threading.Semaphore(0)
     done: list[int] = []
+    t0 = time.monotonic()
 
     def one(i: int) -> None:
         content = tokens.text(2000, 1000 + i)
@@ -64,7 +65,10 @@ def test_a_burst_shows_in_the_backends_load_and_falls_back(kvgate: Gateway, toke
                 if first and line.startswith(b"data:"):
                     started.release()
                     first = False
+                    at = time.monotonic() - t0
             done.append(r.status)
+            where = f"{r.headers['X-Kvgate-Backend']} ({r.headers['X-Kvgate-Route']})"
+            print(f"stream {i}: {where}, first token at {at:.2f} s, ended at {time.monotonic() - t0:.2f} s")
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for t in threads:
