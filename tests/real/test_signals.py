@@ -43,13 +43,13 @@ def test_every_series_kvgate_reads_comes_from_the_real_exposition(fleet: RealFle
 
 
 def test_a_burst_shows_in_the_backends_load_and_falls_back(kvgate: Gateway, tokens: Tokens) -> None:
-    """Eight concurrent long streams: once each has its first token (so all eight are in the
-    engines, decoding), vLLM's running and waiting counts, as kvgate scrapes them, and kvgate's own
-    in-flight counts show at least half of them; when they end, all fall back to zero. The load is
-    sampled while the streams are known to run: a fixed burst was over between two scrapes on a
-    fast host."""
+    """Eight concurrent long streams: vLLM's running and waiting counts, as kvgate scrapes them,
+    and kvgate's own in-flight counts show at least half of them; when they end, all fall back to
+    zero. The load is sampled from the moment the streams are sent until the peaks are seen or
+    every stream has ended: a burst of short answers was over between two scrapes on a fast host,
+    and sampling only once every stream had its first token missed the burst in one run here
+    (peaks of 2: by the last first token, six streams had ended)."""
     body = {"model": MODEL, "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    started = threading.Semaphore(0)
     done: list[int] = []
     t0 = time.monotonic()
 
@@ -63,7 +63,6 @@ def test_a_burst_shows_in_the_backends_load_and_falls_back(kvgate: Gateway, toke
             first = True
             for line in r:
                 if first and line.startswith(b"data:"):
-                    started.release()
                     first = False
                     at = time.monotonic() - t0
             done.append(r.status)
@@ -73,8 +72,6 @@ def test_a_burst_shows_in_the_backends_load_and_falls_back(kvgate: Gateway, toke
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
-    for _ in threads:
-        assert started.acquire(timeout=60)
     peak = {"load": 0.0, "inflight": 0}
 
     def seen() -> bool:
