@@ -152,3 +152,4 @@ def test_a_fit_without_a_cost_per_token_does_not_see_the_queue() -> None:
     assert fb.predict("falling", 100) == fb.predict("falling", 20_000)
     assert not fb.sees_queue("falling") and not fb.sees_queue("flat") and not fb.sees_queue("unknown")
     assert fb.sees_queue("sloped")
+    assert [fb.describe(b)["sees_queue"] for b in ("flat", "sloped")] == [False, True]  # type: ignore[index]

@@ -170,4 +170,5 @@ class FirstByteBudget:
             "base_s": round(a, 4),
             "s_per_1k_tokens": round(b * 1000, 4),
             "s_per_1k_tokens_per_1k_context": round(d * 1000, 4),
+            "sees_queue": self.sees_queue(backend),
         }

@@ -58,14 +58,16 @@ def test_a_client_that_leaves_mid_stream_ends_the_engines_request_within_a_secon
 
 
 def both_serve_again(kvgate: Gateway, tokens: Tokens, victim: int) -> None:
-    """The victim is healthy again, and twelve requests at once are shared by both servers. The
-    other server's first-byte fit is learned mostly while the victim restarts on the same cores
+    """The victim is healthy again and serves some of twelve requests sent at once.
+    The other server's first-byte fit is learned mostly while the victim restarts on the same cores
     (in one run 5 answers, 0.22 s each whatever their size, against the victim's 0.03 s): while a
     move to the server expected sooner kept the holders' bound, which two servers never reach, it
-    took all twelve. A fit that cannot see a queue now keeps that server's own bound
-    (``FirstByteBudget.sees_queue``, ``policies.placement_admits``). Nothing stays in flight."""
+    took all twelve. Where neither fit sees a queue, each server now keeps its own bound
+    (``FirstByteBudget.sees_queue``, ``policies.placement_admits``), so both serve; a fit that
+    sees the queue may still draw the burst when it expects it sooner. Nothing stays in flight."""
     wait_until(lambda: kvgate.backends()[f"vllm-{victim}"]["state"] == "healthy", timeout=10)
-    for b in kvgate.backends().values():
+    fits = list(kvgate.backends().values())
+    for b in fits:
         print(b["id"], "fit", b["first_byte"])
     served: list[str] = []
     routes: list[str] = []
@@ -88,7 +90,9 @@ def both_serve_again(kvgate: Gateway, tokens: Tokens, victim: int) -> None:
     for t in threads:
         t.join(60)
     print("served by", {b: served.count(b) for b in sorted(set(served))}, "routes", sorted(set(routes)))
-    assert len(served) == 12 and set(served) == {"vllm-0", "vllm-1"}, served
+    assert len(served) == 12 and f"vllm-{victim}" in served, served
+    if not any(b["first_byte"] and b["first_byte"]["sees_queue"] for b in fits):
+        assert set(served) == {"vllm-0", "vllm-1"}, served  # neither fit may draw the whole burst
     wait_until(lambda: idle(kvgate), timeout=2)
 
 
