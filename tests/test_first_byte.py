@@ -153,3 +153,16 @@ def test_a_fit_without_a_cost_per_token_does_not_see_the_queue() -> None:
     assert not fb.sees_queue("falling") and not fb.sees_queue("flat") and not fb.sees_queue("unknown")
     assert fb.sees_queue("sloped")
     assert [fb.describe(b)["sees_queue"] for b in ("flat", "sloped")] == [False, True]  # type: ignore[index]
+
+
+def test_a_fit_blind_to_the_queue_gives_work_far_past_what_it_saw_the_ceiling() -> None:
+    """Short prompts taught a flat 0.2 s: a prompt of their size gets the floor, one 50 times the
+    mean work they saw the ceiling (the floor would cut a prefill longer than it on every
+    candidate in turn). A fit that sees the queue scales its budget with the work instead."""
+    b = budget(first_byte_timeout_ms=60_000, first_byte_min_ms=5_000)
+    for work in (100, 400, 1_600, 200, 800):
+        b.learn("flat", work, 0.2 + work * 1e-8)
+        b.learn("sloped", work, 0.02 + work / 10_000)
+    assert b.budget_ms("flat", 1_000, trusted=True) == 5_000
+    assert b.budget_ms("flat", 30_000, trusted=True) == 60_000
+    assert b.budget_ms("sloped", 30_000, trusted=True) == round(4 * (0.02 + 3.0) * 1000)

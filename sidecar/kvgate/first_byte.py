@@ -47,6 +47,7 @@ ATTENTION_SHARE = 0.5
 # (``sees_queue``). On two real vLLM servers after a restart both fits had a slope under 1e-7 s per
 # token: positive, and no guard against sending one of them every request of a burst.
 QUEUE_SHARE = 0.1
+BLIND_REACH = 2.0  # a blind fit's budget holds up to this many times the mean work it has seen
 
 
 Work = tuple[int, float]  # prefill tokens and their attention (``attention_of``)
@@ -144,9 +145,14 @@ class FirstByteBudget:
 
     def budget_ms(self, backend: str, work: int, trusted: bool, attention: float = 0.0) -> int:
         """The first-byte timeout of one try on ``backend``; ``trusted``: its load is known and it is
-        neither saturated nor short of KV cache."""
+        neither saturated nor short of KV cache. A fit blind to the queue (``sees_queue``) is not
+        trusted with more than ``BLIND_REACH`` times the mean work its answers saw: it would give a
+        long prompt the floor (``first_byte_min_ms``), and a prefill longer than that would time
+        out on every candidate in turn."""
         c = self.config
-        expected = self.predict(backend, work, attention) if trusted else None
+        fit = self._fits.get(backend)
+        within = fit is not None and (self.sees_queue(backend) or work * fit.w <= BLIND_REACH * fit.t)
+        expected = self.predict(backend, work, attention) if trusted and within else None
         if expected is None:
             return c.first_byte_timeout_ms
         ms = round(c.first_byte_margin * expected * 1000)
