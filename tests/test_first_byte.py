@@ -153,6 +153,7 @@ def test_a_fit_without_a_cost_per_token_does_not_see_the_queue() -> None:
     assert not fb.sees_queue("falling") and not fb.sees_queue("flat") and not fb.sees_queue("unknown")
     assert fb.sees_queue("sloped")
     assert [fb.describe(b)["sees_queue"] for b in ("flat", "sloped")] == [False, True]  # type: ignore[index]
+    assert fb.describe("flat")["s_per_1k_tokens"] == 1e-5  # type: ignore[index]  # shown, not 0.0
 
 
 def test_a_fit_blind_to_the_queue_gives_work_far_past_what_it_saw_the_ceiling() -> None:
