@@ -113,3 +113,25 @@ def test_a_ratio_set_in_the_config_wins_and_bad_ones_are_refused() -> None:
     for bad in (0, "x", True, 100, float("nan")):
         with pytest.raises(ConfigError, match="bytes_per_token"):
             load(TokensConfig, {"bytes_per_token": {MODEL: bad}}, "tokens")
+
+
+def test_tokens_from_clients_that_bypass_the_gateway_cannot_collapse_the_ratio() -> None:
+    """The backend is kept busy by clients this replica never sees (tests posting to vLLM directly,
+    a router beside kvgate): window after window of tokens against none of its bytes. The ratio
+    stops at one byte per token (it fell to 0.00016, and a 2 KB prompt counted as 12 million
+    tokens), and comes back with the first window of this replica's own prompts."""
+    t = TokenEstimator(TokensConfig())
+    counter = 0.0
+    t.counted("a", counter)
+    t.served("a", MODEL, 12_000)
+    counter += 3_000.0
+    t.counted("a", counter)
+    assert t.ratio(MODEL) == 4.0
+    for _ in range(100):
+        counter += 50_000.0
+        t.counted("a", counter)
+    assert t.ratio(MODEL) == 1.0
+    t.served("a", MODEL, 12_000)
+    counter += 3_000.0
+    t.counted("a", counter)
+    assert 3.6 < t.ratio(MODEL) <= 4.0  # one window of its own

@@ -23,7 +23,14 @@ the prior has decayed away after a few dozen.
 A backend's counter also counts the prompts other gateway replicas sent it; each replica sees only
 its own bytes. So a window's tokens are divided by the number of replicas (``kvgate.replicas``):
 exact when the edge spreads clients evenly over the replicas, as a round-robin load balancer does over
-time. Clients that reach a backend without kvgate make the estimate too low.
+time. Clients that reach a backend without kvgate make the estimate too low: their tokens are counted
+against none of this replica's bytes. Left alone, a backend that others keep busy drives the ratio
+towards zero (each such window adds tokens and no bytes while the bytes decay): in the real-vLLM
+suite, where tests also post to the servers directly, a prompt of a few kilobytes came to count as
+millions of tokens, and every prefill cost and saturation figure with it. So the learned ratio stays
+within ``MIN_RATIO`` and ``MAX_RATIO`` bytes per token: tokens no byte of this replica's can
+explain are dropped from the sums, so that they weigh nothing once its own prompts are counted
+again.
 """
 
 from __future__ import annotations
@@ -35,6 +42,10 @@ from kvgate.config import TokensConfig
 MIN_SAMPLE_TOKENS = 2000  # a window this small says little: it waits for more
 DECAY = 0.05  # each window's weight in the sums: the estimate follows about the last 20 windows
 PRIOR_TOKENS = 2 * MIN_SAMPLE_TOKENS  # the default ratio's weight in the sums before any window
+# A byte-level BPE token covers at least one byte of text; a chat template's own tokens push a
+# window of tiny prompts a little under that, never the way traffic from elsewhere does.
+MIN_RATIO = 1.0
+MAX_RATIO = 64.0  # the configured default's own ceiling
 
 
 @dataclass(slots=True)
@@ -96,7 +107,16 @@ class TokenEstimator:
     def _add(self, model: str | None, served: float, tokens: float) -> None:
         prior = (PRIOR_TOKENS * self.config.default_bytes_per_token, float(PRIOR_TOKENS))
         old_bytes, old_tokens = self._sums.get(model, prior)
-        sums = (1 - DECAY) * old_bytes + served, (1 - DECAY) * old_tokens + tokens
-        self._sums[model] = sums
-        if sums[0] > 0 and sums[1] > 0:
-            self.learned[model] = sums[0] / sums[1]
+        total_bytes, total_tokens = (1 - DECAY) * old_bytes + served, (1 - DECAY) * old_tokens + tokens
+        if total_tokens <= 0:
+            return
+        low = min(MIN_RATIO, self.config.default_bytes_per_token)
+        if total_bytes < low * total_tokens:
+            # Tokens from elsewhere: keep the bytes, drop the tokens no byte of ours can explain,
+            # so that they weigh nothing once this replica's own prompts are counted again.
+            total_tokens = total_bytes / low
+        elif total_bytes > MAX_RATIO * total_tokens:
+            total_bytes = MAX_RATIO * total_tokens
+        self._sums[model] = (total_bytes, total_tokens)
+        if total_tokens > 0:
+            self.learned[model] = total_bytes / total_tokens
