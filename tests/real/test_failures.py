@@ -69,6 +69,11 @@ def both_serve_again(kvgate: Gateway, tokens: Tokens, victim: int) -> None:
     fits = list(kvgate.backends().values())
     for b in fits:
         print(b["id"], "fit", b["first_byte"])
+    probe = {"model": MODEL, "messages": [{"role": "user", "content": tokens.text(100, 60)}]}
+    explained = post(kvgate.sidecar + "/v1/decide", {"body": probe})[2]
+    print(
+        "token estimate:", explained["estimated_prompt_tokens"], "at", explained["bytes_per_token"], "B/token"
+    )
     served: list[str] = []
     routes: list[str] = []
 
