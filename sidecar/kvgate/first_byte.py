@@ -75,8 +75,12 @@ class _Fit:
     qy: float = 0.0
     yy: float = 0.0
     n: int = 0
+    # model() until the next answer: every decision reads each backend's fit for its expectation
+    # and whether it sees the queue, and each candidate's budget reads it again.
+    fitted: tuple[float, float, float] | None = None
 
     def add(self, t: float, q: float, y: float) -> None:
+        self.fitted = None
         d = DECAY
         self.w = self.w * d + 1.0
         self.t, self.q, self.y = self.t * d + t, self.q * d + q, self.y * d + y
@@ -89,6 +93,11 @@ class _Fit:
         all at least 0. The line on tokens, unless adding attention (alone or beside tokens, with no
         negative cost) explains at least ``ATTENTION_GAIN`` of what that line leaves unexplained and
         takes at least ``ATTENTION_SHARE`` of the mean first byte."""
+        if self.fitted is None:
+            self.fitted = self._solve()
+        return self.fitted
+
+    def _solve(self) -> tuple[float, float, float]:
         w = self.w
         mt, mq, my = self.t / w, self.q / w, self.y / w
         stt, sqq, stq = self.tt / w - mt * mt, self.qq / w - mq * mq, self.tq / w - mt * mq
