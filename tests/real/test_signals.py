@@ -60,7 +60,7 @@ def test_a_burst_shows_in_the_backends_load_and_falls_back(kvgate: Gateway, toke
             kvgate.url + "/v1/chat/completions", raw, {"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(req, timeout=120) as r:
-            first = True
+            first, at = True, float("nan")
             for line in r:
                 if first and line.startswith(b"data:"):
                     first = False
