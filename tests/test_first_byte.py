@@ -6,7 +6,7 @@ import random
 from collections.abc import Callable
 
 from kvgate.config import GatewayConfig
-from kvgate.first_byte import MIN_SAMPLES, FirstByteBudget, attention_of
+from kvgate.first_byte import MIN_SAMPLES, MIN_WEIGHT, QUIET_S, FirstByteBudget, attention_of
 
 
 def budget(**kw: int | float) -> FirstByteBudget:
@@ -120,6 +120,44 @@ def test_the_fit_follows_a_backend_that_slowed_down() -> None:
         b.learn("a", 4000, 1.0)  # ten times slower now (another tenant, a smaller GPU)
     expected = b.predict("a", 4000)
     assert expected is not None and 0.9 < expected < 1.0
+
+
+def test_a_quiet_backends_fit_stops_placing_requests_and_gives_way_to_its_next_answers() -> None:
+    """A backend learned at 1 s, then silent for five minutes: its fit no longer places requests
+    (None), though it still sets the budget; three answers at 0.1 s then outweigh the past. A busy
+    backend's fit, learned from the same answers without the silence, still mostly says 1 s."""
+    now, then = [0.0], [0.0]
+    quiet = FirstByteBudget(GatewayConfig(first_byte_min_ms=100), lambda: now[0])
+    busy = FirstByteBudget(GatewayConfig(first_byte_min_ms=100), lambda: then[0])
+    for _ in range(40):
+        now[0] += 1.0
+        then[0] += 1.0
+        quiet.learn("a", 4000, 1.0)
+        busy.learn("a", 4000, 1.0)
+    assert quiet.predict("a", 4000) == 1.0
+    now[0] += QUIET_S
+    assert quiet.predict("a", 4000) == 1.0  # a pause between answers ages nothing
+    now[0] += 300.0
+    assert quiet.predict("a", 4000) is None
+    assert quiet.describe("a")["weight"] < MIN_WEIGHT  # type: ignore[index]
+    assert quiet.budget_ms("a", 4000, trusted=True) == 4_000  # margin 4 x 1 s
+    for _ in range(3):
+        now[0] += 1.0
+        then[0] += 1.0
+        quiet.learn("a", 4000, 0.1)
+        busy.learn("a", 4000, 0.1)
+    after, still = quiet.predict("a", 4000), busy.predict("a", 4000)
+    assert after is not None and after < 0.4, after
+    assert still is not None and still > 0.8, still
+
+
+def test_a_restarted_engine_starts_a_new_fit() -> None:
+    b = budget()
+    for _ in range(10):
+        b.learn("a", 1000, 2.0)
+    b.restart("a")
+    assert b.predict("a", 1000) is None and b.describe("a") is None
+    assert b.budget_ms("a", 1000, trusted=True) == 60_000
 
 
 def test_nonsense_samples_are_ignored_and_slopes_are_bounded() -> None:

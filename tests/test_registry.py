@@ -91,3 +91,41 @@ def test_membership_changes_rebuild_the_ring_only_when_the_eligible_set_changes(
         assert "b9" not in {p.id for p in sc.registry.peers()[1]}
 
     run(scenario())
+
+
+def test_an_engine_that_started_again_starts_a_new_first_byte_fit() -> None:
+    """What the gateway learned of a backend's first bytes (``kvgate.first_byte``) goes when its
+    engine is new: its counters went back (a restart quicker than the health checks), or it is
+    healthy again after failing them. A scrape whose counters grew keeps it."""
+
+    async def scenario() -> None:
+        sc = ready(config(None), None)
+        reg, fits = sc.registry, sc.service.first_byte
+        now = asyncio.get_running_loop().time()
+
+        def taught() -> None:
+            for _ in range(5):
+                fits.learn("b1", 1000, 0.5)
+            assert fits.predict("b1", 1000) is not None
+
+        def scraped(prompt_tokens: float, queries: float) -> Scraped:
+            return Scraped(0, 0, 0.1, queries, 0.0, now, prompt_tokens=prompt_tokens)
+
+        reg.scrape_ok("b1", scraped(5_000, 5_000))
+        taught()
+        reg.scrape_ok("b1", scraped(9_000, 9_000))
+        assert fits.predict("b1", 1000) is not None
+        reg.scrape_ok("b1", scraped(200, 9_500))  # the prompt-token counter went back
+        assert fits.predict("b1", 1000) is None
+        taught()
+        reg.scrape_ok("b1", scraped(900, 100))  # the prefix-cache counter went back
+        assert fits.predict("b1", 1000) is None
+        taught()
+        reg.failure("b1", "refused")
+        reg.failure("b1", "refused")
+        assert not reg.backends["b1"].healthy and fits.predict("b1", 1000) is not None
+        reg.scrape_ok("b1", scraped(1_000, 200))
+        reg.scrape_ok("b1", scraped(1_000, 200))
+        assert reg.backends["b1"].healthy and fits.predict("b1", 1000) is None
+
+    run(scenario())

@@ -309,6 +309,40 @@ def test_a_burst_is_not_all_sent_to_a_backend_whose_fit_expects_it_sooner() -> N
     assert "b1" in went and went.count("b0") <= math.ceil(1.25 * 12 / 2), went
 
 
+def test_a_backend_expected_late_long_ago_gets_its_share_of_requests_again() -> None:
+    """b1 answered in 1 s and b0 in 0.03 s, then both went quiet for five minutes: moves to the
+    backend expected sooner no longer follow fits that old (``first_byte.MIN_WEIGHT``), so b1
+    gets the requests the policy gives it, and its next answers correct its fit. While the fits
+    were fresh, every pick of b1 moved to b0."""
+    from kvgate.policies import Reason
+
+    from tests.cores import core
+
+    async def scenario(quiet_s: float) -> list[tuple[str, Reason]]:
+        sc = core(n=2, routing={"saturation_prefill_tokens": 32_768})
+        now = [1000.0]
+        sc.registry.ledger.clock = lambda: now[0]
+        for work in (100, 400, 1_600, 200, 800):
+            sc.service.first_byte.learn("b0", work, 0.03 + work * 1e-5)
+            sc.service.first_byte.learn("b1", work, 1.0 + work * 1e-5)
+        now[0] += quiet_s
+        went = []
+        for i in range(8):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"question {i}: " + "why " * 50}],
+            }
+            routed = await sc.service.route(extract(body), f"d{i}")
+            went.append((routed.candidates[0].id, routed.decision.reason))
+            sc.service.report([Outcome.end(f"d{i}", routed.candidates[0].id, 200, True, 0.1, 0.2)])
+        assert sum(sc.registry.ledger.counts.values()) == 0
+        return went
+
+    fresh, quiet = run(scenario(1.0)), run(scenario(300.0))
+    assert {b for b, _ in fresh} == {"b0"} and Reason.TTFT in {r for _, r in fresh}, fresh
+    assert "b1" in {b for b, _ in quiet} and Reason.TTFT not in {r for _, r in quiet}, quiet
+
+
 def test_a_backend_that_serves_none_of_its_credited_prefix_is_counted_as_prefilling_it() -> None:
     """The index credits the backend with the prompt it was sent before; its scrapes say its cache
     served none of it (evicted, say): the prefill this gateway counts there (the in-flight ledger

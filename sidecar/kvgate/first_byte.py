@@ -23,17 +23,32 @@ has: Nginx gives a stream at least ``gateway.first_byte_stream_min_ms`` whatever
 (lua/kvgate/access.lua). The budget is short only where the prediction can be trusted: a backend
 with fewer than ``MIN_SAMPLES`` answers, or whose load is unknown, saturated or preempting (KV cache
 near full), gets the ceiling.
+
+A busy backend's fit forgets by answers (``DECAY``); a quiet one's also by time. Placement moves
+requests away from a backend its fit expects late, so a fit learned in a slow spell (a neighbour's
+restart on shared cores, a long batch) would keep that backend out of the moves for as long as
+nothing corrects it, and nothing does once the moves avoid it. Past ``QUIET_S`` without an answer,
+the past weighs half as much every ``HALF_LIFE_S``: the next answers outweigh it, and a fit left
+with less than ``MIN_WEIGHT`` is not used to place requests (the policy's own pick stands) until
+they come. A restarted engine starts a new fit (``restart``): the old one described another process.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvgate.config import GatewayConfig
 
 MIN_SAMPLES = 5  # answers a backend must have given before its prediction is used
 DECAY = 0.97  # each new answer's weight against the past: the fit follows about the last 30
+# A backend answering every few seconds forgets by answers alone: the trace's replays in virtual
+# time, where each backend answers about once a second, are the same with and without the clock.
+QUIET_S = 10.0
+HALF_LIFE_S = 60.0  # past QUIET_S of silence, the weight of everything learned halves this often
+MIN_WEIGHT = 2.0  # a fit weighing less (about two recent answers) does not place requests
 MAX_SECONDS_PER_TOKEN = 0.01  # 100 tokens/s: slower than any real prefill; bounds a noisy slope
 MAX_SECONDS_PER_ATTENTION = 0.01  # per token per 1,000 tokens of context: the same bound
 # Attention enters the fit only when it explains this share of what tokens alone leave unexplained,
@@ -75,18 +90,29 @@ class _Fit:
     qy: float = 0.0
     yy: float = 0.0
     n: int = 0
+    at: float = 0.0  # when the last answer came (the ledger's clock)
     # model() until the next answer: every decision reads each backend's fit for its expectation
     # and whether it sees the queue, and each candidate's budget reads it again.
     fitted: tuple[float, float, float] | None = None
 
-    def add(self, t: float, q: float, y: float) -> None:
+    def add(self, t: float, q: float, y: float, at: float) -> None:
         self.fitted = None
-        d = DECAY
+        d = DECAY * self.aged(at) if self.n else DECAY
+        self.at = at
         self.w = self.w * d + 1.0
         self.t, self.q, self.y = self.t * d + t, self.q * d + q, self.y * d + y
         self.tt, self.qq, self.tq = self.tt * d + t * t, self.qq * d + q * q, self.tq * d + t * q
         self.ty, self.qy, self.yy = self.ty * d + t * y, self.qy * d + q * y, self.yy * d + y * y
         self.n += 1
+
+    def aged(self, now: float) -> float:
+        """What the past still weighs at ``now``: 1 until ``QUIET_S`` after the last answer, then
+        halving every ``HALF_LIFE_S``. Scaling every sum alike leaves the fitted line as it was;
+        it only gives the next answers more say, and ``weight`` less trust."""
+        return float(0.5 ** (max(0.0, now - self.at - QUIET_S) / HALF_LIFE_S))
+
+    def weight(self, now: float) -> float:
+        return self.w * self.aged(now)
 
     def model(self) -> tuple[float, float, float]:
         """(seconds at no work, seconds per token, seconds per token per 1,000 tokens of context),
@@ -121,24 +147,29 @@ class _Fit:
 
 
 class FirstByteBudget:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock  # the ledger's: virtual replays run the fits on their own clock
         self._fits: dict[str, _Fit] = {}
 
     def learn(self, backend: str, work: int, seconds: float, attention: float = 0.0) -> None:
         """A decision that saw ``work`` tokens ahead on ``backend`` (``attention``: their quadratic
-        part) got its first byte ``seconds`` after it was made."""
+        part) got its first byte ``seconds`` after it was made (now)."""
         if not (seconds >= 0.0 and math.isfinite(seconds) and math.isfinite(attention)):
             return
-        self._fits.setdefault(backend, _Fit()).add(float(work), max(0.0, attention), seconds)
+        self._fits.setdefault(backend, _Fit()).add(float(work), max(0.0, attention), seconds, self.clock())
+
+    def restart(self, backend: str) -> None:
+        """``backend``'s engine started again: its fit starts over."""
+        self._fits.pop(backend, None)
 
     def predict(self, backend: str, work: int, attention: float = 0.0) -> float | None:
-        """Expected seconds to the first byte, or None while the backend has answered too rarely."""
+        """Expected seconds to the first byte, for placement: None while the backend has answered
+        too rarely, or so long ago that its fit weighs less than ``MIN_WEIGHT``."""
         fit = self._fits.get(backend)
-        if fit is None or fit.n < MIN_SAMPLES:
+        if fit is None or fit.weight(self.clock()) < MIN_WEIGHT:
             return None
-        a, b, d = fit.model()
-        return a + b * work + d * attention
+        return _line(fit, work, attention)
 
     def sees_queue(self, backend: str) -> bool:
         """Whether ``backend``'s prediction grows with the prefill queued ahead: whether the work
@@ -161,7 +192,9 @@ class FirstByteBudget:
         c = self.config
         fit = self._fits.get(backend)
         within = fit is not None and (self.sees_queue(backend) or work * fit.w <= BLIND_REACH * fit.t)
-        expected = self.predict(backend, work, attention) if trusted and within else None
+        # A quiet backend's fit still bounds its budget: its answers, however old, say more than
+        # the ceiling does.
+        expected = _line(fit, work, attention) if fit is not None and trusted and within else None
         if expected is None:
             return c.first_byte_timeout_ms
         ms = round(c.first_byte_margin * expected * 1000)
@@ -187,7 +220,16 @@ class FirstByteBudget:
             "s_per_1k_tokens_per_1k_context": _figure(d * 1000),
             "mean_work_tokens": round(fit.t / fit.w),
             "sees_queue": self.sees_queue(backend),
+            "weight": _figure(fit.weight(self.clock())),
         }
+
+
+def _line(fit: _Fit, work: int, attention: float) -> float | None:
+    """The fit's seconds to the first byte behind ``work``; None before ``MIN_SAMPLES`` answers."""
+    if fit.n < MIN_SAMPLES:
+        return None
+    a, b, d = fit.model()
+    return a + b * work + d * attention
 
 
 def _figure(x: float) -> float:

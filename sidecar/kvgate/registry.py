@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvgate.config import BackendSpec, OutlierConfig, RoutingConfig, ScrapeConfig
@@ -90,6 +90,9 @@ class Registry:
     _served: tuple[int, frozenset[str] | None] | None = None
     ledger: InflightLedger = field(init=False)  # decisions in flight, per backend (kvgate.inflight)
     shared: SharedLoad = field(default_factory=lambda: SharedLoad(""))  # other replicas' (Redis)
+    # Told a backend's id when its engine started again (``started_again``): what was learned of
+    # the old process (its first-byte fit) starts over.
+    on_restart: list[Callable[[str], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.ledger = InflightLedger(self.backends.__contains__)
@@ -149,6 +152,8 @@ class Registry:
         elif was is not None and was.metrics_less and not scraped.metrics_less:
             logger.warning("backend %s serves /metrics now: its load comes from them again", bid)
         s.scraped, s.last_error = scraped, None
+        if was is not None and _went_back(was, scraped):
+            self.started_again(bid, "its counters went back")
         self._health_ok(bid, s)
 
     def load_unknown(self, bid: str, error: str) -> None:
@@ -170,7 +175,16 @@ class Registry:
         if not s.healthy and s.oks >= self.scrape.healthy_after:
             s.healthy = True
             logger.warning("backend %s is healthy again", bid)
+            self.started_again(bid, "it failed its health checks")
             self._rebuild()
+
+    def started_again(self, bid: str, why: str) -> None:
+        """``bid`` may run a new engine: its counters went back, or it is healthy again after failing
+        its checks (a restart too quick for the checks to see leaves only the counters; a backend
+        without /metrics, only the checks)."""
+        logger.info("backend %s starts over: %s", bid, why)
+        for hook in self.on_restart:
+            hook(bid)
 
     def failure(self, bid: str, error: str, timeout: bool = False, now: float | None = None) -> None:
         """A failed health check (active health; request failures are ``outcome``'s). One that timed
@@ -396,3 +410,9 @@ class Registry:
                 }
             )
         return out
+
+
+def _went_back(was: Scraped, now: Scraped) -> bool:
+    """Whether a counter fell since the last scrape: a counter only falls when its process restarts."""
+    pairs = ((was.prompt_tokens, now.prompt_tokens), (was.prefix_queries, now.prefix_queries))
+    return any(a is not None and b is not None and b < a for a, b in pairs)

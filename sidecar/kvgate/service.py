@@ -87,7 +87,8 @@ class DecisionService:
         self.metrics = metrics
         self.tokens = tokens if tokens is not None else TokenEstimator(config.tokens)
         self.tokenizer: TokenSource | None = None  # set by the app, which owns the HTTP session
-        self.first_byte = FirstByteBudget(config.gateway)
+        self.first_byte = FirstByteBudget(config.gateway, lambda: registry.ledger.clock())
+        registry.on_restart.append(self.first_byte.restart)
         self.queue = GatewayQueue(config.queue) if config.queue.enabled else None
         if self.queue is not None:
             metrics.registry.register(DepthCollector(self.queue.waiting_features))
