@@ -5,6 +5,7 @@ saw. (The real servers take a minute each; the retry's logic does not need them.
 from __future__ import annotations
 
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -18,9 +19,10 @@ from vllm_real.fleet import Fleet, ServerSpec, service_port
 # so that the next start is good (the first start of a test is bad when the test says so).
 STANDIN = textwrap.dedent(
     """
-    import http.server, sys
+    import http.server, os, sys
     from pathlib import Path
     port, marker = int(sys.argv[1]), Path(sys.argv[2])
+    (Path(os.environ["VLLM_RPC_BASE_PATH"]) / f"ipc-{port}").touch()  # where vLLM puts its sockets
     bad = marker.read_text() == "bad"
     marker.write_text("bad" if marker.name.startswith("always") else "ok")
 
@@ -72,6 +74,10 @@ def test_a_server_never_healthy_is_started_again_on_a_fresh_port(standin: Path, 
         assert urls[0].rsplit(":", 1)[1] in fleet.commands[0][0]
         assert (tmp_path / "run" / "vllm-0.log").read_text().count("started") == 2
         assert (tmp_path / "run" / "vllm-1.log").read_text().count("started") == 1
+        # Their sockets go to the fleet's own directory, not the system's temporary one.
+        assert len(list(Path(fleet.ipc).glob("ipc-*"))) == 3 and Path(fleet.ipc).parent == Path(
+            tempfile.gettempdir()
+        )
     finally:
         sup.stop_all()
 

@@ -12,13 +12,16 @@ this kind of machine; see docs/real-vllm.md.
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import json
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -180,6 +183,15 @@ def check_installed(venv: Path = VENV, model_dir: Path = MODEL_DIR) -> None:
         raise FileNotFoundError(f"no real vLLM at {venv} / {model_dir}: run `make real-vllm`")
 
 
+def _ipc_dir() -> str:
+    """A directory for the servers' ZMQ sockets, removed when this process exits. vLLM makes them
+    in the system's temporary directory and leaves them there when it is killed (thousands over the
+    real suite's runs); a short path, since a Unix socket's name is limited to 107 bytes."""
+    path = tempfile.mkdtemp(prefix="kvgate-vllm-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 @dataclass
 class Fleet:
     """Servers started by one supervisor; ``urls`` in start order."""
@@ -188,6 +200,7 @@ class Fleet:
     urls: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     commands: list[tuple[list[str], dict[str, str]]] = field(default_factory=list)  # argv, env
+    ipc: str = field(default_factory=_ipc_dir)  # VLLM_RPC_BASE_PATH of every server it starts
 
     def start(self, specs: Sequence[ServerSpec], prefix: str = "vllm") -> list[str]:
         """Start one server per spec, all at once (each compiles and loads in parallel), and wait
@@ -223,6 +236,7 @@ class Fleet:
         port = service_port()
         nixl = service_port() if spec.kv_role is not None else None
         argv, env = spec.argv(port), server_env(nixl)
+        env["VLLM_RPC_BASE_PATH"] = self.ipc
         if spec.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         self.urls[i] = f"http://127.0.0.1:{port}"

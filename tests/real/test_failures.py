@@ -110,6 +110,9 @@ def test_a_server_killed_mid_stream_gives_an_error_event_then_others_serve_and_i
         "max_tokens": 5000,
         "ignore_eos": True,
     }
+    # A test run before this one may have restarted a server: the gateway must have readmitted it,
+    # or with the victim gone nothing is left to serve (502, every candidate failed).
+    wait_until(lambda: all(b["state"] == "healthy" for b in kvgate.backends().values()), timeout=10)
     s, buf = open_stream(kvgate.port, body, "real-victim")
     victim = int(buf.split(b"X-Kvgate-Backend: vllm-", 1)[1][:1])
     fleet.fleet.stop(victim)
