@@ -126,6 +126,19 @@ def test_a_prefix_pushed_out_of_a_backends_cache_no_longer_counts_as_held() -> N
     assert kept == [{"b0": 8}] * 3
 
 
+def test_a_prefix_on_a_backend_whose_engine_started_again_no_longer_counts_as_held() -> None:
+    """Its counters went back (``Registry.started_again``): the new engine's cache is empty."""
+    sc = core()
+    sc.registry.scrape_ok("b0", Scraped(0, 0, 0.1, 100.0, 0.0, time.monotonic(), kv_blocks=64, block_size=16))
+    f = Features(MODEL, None, "none", tuple(f"a{i}" for i in range(8)), 8 * 512)
+    sc.index.record(f.hashes, "b0")
+    sc.service.planner.count_routed(f, 0, "b0")
+    assert plan(sc, f).req.prefix_depth == {"b0": 8}
+    sc.registry.scrape_ok("b0", Scraped(0, 0, 0.1, 3.0, 0.0, time.monotonic(), kv_blocks=64, block_size=16))
+    sc.registry.changed()
+    assert plan(sc, f).req.prefix_depth == {}
+
+
 def pushed_out(sc: Sidecar) -> list[dict[str, int]]:
     """What b0 holds of an 8-chunk prompt the index has, after it, then after 3 and 5 more chunks
     are sent into b0's 8-chunk cache."""

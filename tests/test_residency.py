@@ -47,6 +47,18 @@ def test_a_removed_backend_is_forgotten() -> None:
     assert len(r) == 1
 
 
+def test_a_restarted_engine_holds_nothing_the_index_credits_it_with() -> None:
+    r = Residency()
+    a = chunks("a", 8)
+    r.sent("b0", a, capacity=8)
+    r.sent("b1", a, capacity=8)
+    r.restart("b0")
+    r.restart("b2")  # unknown cache size: nothing modelled, nothing to empty
+    assert r.trim(a, {"b0": 8, "b1": 8, "b2": 8}) == {"b1": 8, "b2": 8}
+    r.sent("b0", a, capacity=8)  # sent again: held again
+    assert r.trim(a, {"b0": 8}) == {"b0": 8}
+
+
 def test_a_context_every_request_starts_with_stays_while_its_questions_come_and_go() -> None:
     r = Residency()
     context = chunks("c", 6)

@@ -91,7 +91,7 @@ class Registry:
     ledger: InflightLedger = field(init=False)  # decisions in flight, per backend (kvgate.inflight)
     shared: SharedLoad = field(default_factory=lambda: SharedLoad(""))  # other replicas' (Redis)
     # Told a backend's id when its engine started again (``started_again``): what was learned of
-    # the old process (its first-byte fit) starts over.
+    # the old process (its first-byte fit, what its prefix cache held) starts over.
     on_restart: list[Callable[[str], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:

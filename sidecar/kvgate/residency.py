@@ -22,7 +22,8 @@ the cache times the share of the engine's prompt tokens it sent (``Realized.own`
 blocks running requests hold and their answers' blocks, which shrink the cache further. The realized
 share (``kvgate.realized``) still scales what is left by what the engine serves.
 
-Nothing to bring down: each LRU is bounded by its backend's cache and forgotten with the backend.
+Nothing to bring down: each LRU is bounded by its backend's cache and forgotten with the backend,
+and emptied when its engine starts again (``Registry.started_again``).
 A backend whose cache size is unknown keeps no LRU: the index is trusted as it is.
 """
 
@@ -89,6 +90,13 @@ class Residency:
         """The model of ``node``'s cache (``/v1/backends``): chunks it holds, of how many."""
         cache = self._caches.get(node)
         return None if cache is None else {"chunks": len(cache.lru), "capacity_chunks": cache.capacity}
+
+    def restart(self, node: str) -> None:
+        """``node``'s engine started again with an empty cache: nothing the index credits it with
+        is held there any more (a node of unknown cache size stays trusted as the index says)."""
+        cache = self._caches.get(node)
+        if cache is not None:
+            cache.lru.clear()
 
     def forget(self, keep: Collection[str]) -> None:
         """Backends that left the registry take their LRUs with them."""

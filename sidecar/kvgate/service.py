@@ -95,6 +95,7 @@ class DecisionService:
         self.admission = Admission(config, metrics, limiter)
         self.slo = SloGate(config.slo, metrics)
         self.planner = Planner(config, registry, sessions, index, metrics, self.first_byte, exact)
+        registry.on_restart.append(self.planner.residency.restart)
         self.affinity = Affinity(config, sessions, metrics)
         self.outcomes = Outcomes(
             registry, sessions, self.admission, self.tokens, self.first_byte, metrics, self.abandon, self.slo
