@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvgate import backend_view
 from kvgate import features as feats
 from kvgate.agreement import Agreement
 from kvgate.config import BackendSpec, Config, ConfigError
@@ -140,10 +141,7 @@ class HttpApi:
         return web.json_response({"object": "list", "data": self.registry.model_cards()})
 
     async def backends(self, request: web.Request) -> web.Response:
-        described = self.registry.describe(time.monotonic())
-        for b in described:
-            b["first_byte"] = self.service.first_byte.describe(str(b["id"]))
-            b["prefix_cache_model"] = self.service.planner.describe_cache(str(b["id"]))
+        described = backend_view.describe(self.registry, self.service, time.monotonic())
         return web.json_response({"backends": described, "peers_version": self.registry.peers_version})
 
     async def peers(self, request: web.Request) -> web.Response:

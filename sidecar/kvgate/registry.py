@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from kvgate.config import BackendSpec, OutlierConfig, RoutingConfig, ScrapeConfig
 from kvgate.inflight import InflightLedger
-from kvgate.load import LoadView, Scraped, spare_capacity, view
+from kvgate.load import LoadView, Scraped, view
 from kvgate.messages import Candidate
 from kvgate.metrics import SidecarMetrics
 from kvgate.outliers import CLIENT_CLOSED, OutlierDetector, OutlierState, failure_reason
@@ -360,56 +360,6 @@ class Registry:
         if back:
             logger.warning("backend(s) %s back from ejection, on probation", ", ".join(back))
             self._rebuild()
-
-    def describe(self, now: float) -> list[dict[str, object]]:
-        out = []
-        for bid in sorted(self.backends):
-            s = self.backends[bid]
-            load = self.load_of(s, now, 0.0)
-            out.append(
-                {
-                    "id": bid,
-                    "url": s.spec.url,
-                    "weight": s.spec.weight,
-                    "labels": dict(s.spec.labels),
-                    # metrics as configured; "auto" resolved to "none" while the backend has no /metrics
-                    "metrics": "none"
-                    if s.spec.metrics == "auto" and s.scraped is not None and s.scraped.metrics_less
-                    else s.spec.metrics,
-                    "state": s.state,
-                    "models": sorted(s.models),
-                    "inflight": self.ledger.counts.get(bid, 0),
-                    "inflight_tokens": self.ledger.tokens.get(bid, 0),
-                    # what the other gateway replicas have in flight there (kvgate.shared_load)
-                    "inflight_other_replicas": self.shared.counts.get(bid, 0),
-                    "inflight_tokens_other_replicas": self.shared.tokens.get(bid, 0),
-                    "load": {
-                        "known": load.known,
-                        "requests": load.requests,
-                        "waiting": load.waiting,
-                        "kv_usage": None if not load.known else load.kv_usage,
-                        "waiting_for_kv": None if s.scraped is None else s.scraped.waiting_for_kv,
-                    },
-                    "cache": None
-                    if s.scraped is None or s.scraped.block_size is None
-                    else {"block_size": s.scraped.block_size, "blocks": s.scraped.kv_blocks},
-                    "spare_capacity": spare_capacity(s.spec.weight, load),
-                    "scrape_age_s": None if s.scraped is None else round(now - s.scraped.at, 3),
-                    "ttft_ewma_s": s.ttft_ewma,
-                    "errors": s.errors,
-                    "last_error": s.last_error,
-                    "outlier": {
-                        "consecutive_failures": s.outlier.consecutive,
-                        "ejections": s.outlier.ejections,
-                        "ejected_for_s": None
-                        if s.outlier.ejected_until is None
-                        else round(max(0.0, s.outlier.ejected_until - now), 3),
-                        "probation": s.outlier.probation,
-                        "last_failure": s.outlier.last_reason,
-                    },
-                }
-            )
-        return out
 
 
 def _went_back(was: Scraped, now: Scraped) -> bool:
