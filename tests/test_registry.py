@@ -127,5 +127,6 @@ def test_an_engine_that_started_again_starts_a_new_first_byte_fit() -> None:
         reg.scrape_ok("b1", scraped(1_000, 200))
         reg.scrape_ok("b1", scraped(1_000, 200))
         assert reg.backends["b1"].healthy and fits.predict("b1", 1000) is None
+        assert reg.metrics.restarts.labels("b1")._value.get() == 3
 
     run(scenario())

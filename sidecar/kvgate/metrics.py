@@ -104,6 +104,13 @@ class SidecarMetrics:
             ["backend"],
             registry=r,
         )
+        self.restarts = Counter(
+            "kvgate_backend_restarts",
+            "Backends whose engine started again: counters that went back, or healthy again after "
+            "failing health checks. What the gateway learned of the old engine starts over.",
+            ["backend"],
+            registry=r,
+        )
         self.membership_rejected = Counter(
             "kvgate_membership_rejected",
             "Backend entries from Redis ignored: their host is not in membership.allow.",

@@ -153,7 +153,8 @@ class Registry:
             logger.warning("backend %s serves /metrics now: its load comes from them again", bid)
         s.scraped, s.last_error = scraped, None
         if was is not None and _went_back(was, scraped):
-            self.started_again(bid, "its counters went back")
+            logger.warning("backend %s restarted: its counters went back", bid)
+            self.started_again(bid)
         self._health_ok(bid, s)
 
     def load_unknown(self, bid: str, error: str) -> None:
@@ -175,14 +176,14 @@ class Registry:
         if not s.healthy and s.oks >= self.scrape.healthy_after:
             s.healthy = True
             logger.warning("backend %s is healthy again", bid)
-            self.started_again(bid, "it failed its health checks")
+            self.started_again(bid)
             self._rebuild()
 
-    def started_again(self, bid: str, why: str) -> None:
+    def started_again(self, bid: str) -> None:
         """``bid`` may run a new engine: its counters went back, or it is healthy again after failing
         its checks (a restart too quick for the checks to see leaves only the counters; a backend
         without /metrics, only the checks)."""
-        logger.info("backend %s starts over: %s", bid, why)
+        self.metrics.restarts.labels(bid).inc()
         for hook in self.on_restart:
             hook(bid)
 
