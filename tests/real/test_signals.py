@@ -122,10 +122,12 @@ def stream_timings(port: int, body: dict[str, object]) -> tuple[float, float]:
 
 def test_the_gateways_ttft_is_the_first_token_not_the_headers(kvgate: Gateway, tokens: Tokens) -> None:
     """vLLM sends a stream's headers when it accepts the request and its first event with the first
-    token. For a 12k-token prompt the gateway's TTFT (its first body byte) is within 3 % of what the
-    client measures (the client's own wakeup on a host whose cores vLLM's prefill saturates was seen
-    40 ms late, once in CI), and far from the header time. (An 8k-token prompt took 0.25 s on a fast
-    host: too close to the header time's own noise to tell the two apart with margin.)"""
+    token. For a 12k-token prompt the gateway's TTFT (its first body byte) is within 10 % of what
+    the client measures, and far from the header time: the headers come in a few tens of
+    milliseconds, the first token after half a second. (The client's own wakeup on a host whose
+    cores vLLM's prefill saturates was seen 28 and 40 ms late in CI runs, over a 3 % bound of 16 ms
+    once the server got faster. An 8k-token prompt took 0.25 s on a fast host: too close to the
+    header time's own noise to tell the two apart with margin.)"""
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": tokens.text(12_000, 7)}],
@@ -138,7 +140,7 @@ def test_the_gateways_ttft_is_the_first_token_not_the_headers(kvgate: Gateway, t
     headers_at, first_at = stream_timings(kvgate.port, body)
     wait_until(lambda: kvgate.sidecar_metric("kvgate_gateway_ttft_seconds_count") == count + 1, timeout=5)
     gateway = kvgate.sidecar_metric("kvgate_gateway_ttft_seconds_sum") - before
-    assert abs(gateway - first_at) < max(0.010, 0.03 * first_at), (gateway, first_at)
+    assert abs(gateway - first_at) < max(0.050, 0.1 * first_at), (gateway, first_at)
     print(f"headers after {headers_at:.3f} s, first token after {first_at:.3f} s, gateway {gateway:.3f} s")
     assert first_at > 0.2 and headers_at < first_at / 3, (headers_at, first_at)
 
