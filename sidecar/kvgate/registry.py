@@ -152,7 +152,8 @@ class Registry:
         elif was is not None and was.metrics_less and not scraped.metrics_less:
             logger.warning("backend %s serves /metrics now: its load comes from them again", bid)
         s.scraped, s.last_error = scraped, None
-        if was is not None and _went_back(was, scraped):
+        if was is not None and s.healthy and _went_back(was, scraped):
+            # A backend out of health starts over when it is healthy again: counted once.
             logger.warning("backend %s restarted: its counters went back", bid)
             self.started_again(bid)
         self._health_ok(bid, s)
