@@ -97,7 +97,7 @@ class _Fit:
 
     def add(self, t: float, q: float, y: float, at: float) -> None:
         self.fitted = None
-        d = DECAY * self.aged(at) if self.n else DECAY
+        d = DECAY * self.aged(at)  # a first answer has no past to weigh
         self.at = at
         self.w = self.w * d + 1.0
         self.t, self.q, self.y = self.t * d + t, self.q * d + q, self.y * d + y
