@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvgate.config import TokensConfig
+from kvgate.config.fields import specs
 
 MIN_SAMPLE_TOKENS = 2000  # a window this small says little: it waits for more
 DECAY = 0.05  # each window's weight in the sums: the estimate follows about the last 20 windows
@@ -45,7 +46,16 @@ PRIOR_TOKENS = 2 * MIN_SAMPLE_TOKENS  # the default ratio's weight in the sums b
 # A byte-level BPE token covers at least one byte of text; a chat template's own tokens push a
 # window of tiny prompts a little under that, never the way traffic from elsewhere does.
 MIN_RATIO = 1.0
-MAX_RATIO = 64.0  # the configured default's own ceiling
+
+
+def _default_ceiling() -> float:
+    """No learned ratio goes past what the configured default itself may be."""
+    hi = next(spec.hi for name, spec in specs(TokensConfig) if name == "default_bytes_per_token")
+    assert hi is not None
+    return hi
+
+
+MAX_RATIO = _default_ceiling()
 
 
 @dataclass(slots=True)
