@@ -4,7 +4,10 @@ and stops them: the fleet the real-vLLM tests, ``kvgate up --real-vllm`` and the
 Each server is one process of the CPU build with one OpenMP thread and no thread binding (on a
 2-core machine two threads made decode collapse whenever another process held a core), the KV cache
 sized in blocks (``num_gpu_blocks``: a small cache makes eviction happen) and the options a test
-asks for: the priority scheduler, a ZMQ KV-events publisher, a NixlConnector role. Facts behind
+asks for: the priority scheduler, a ZMQ KV-events publisher, a NixlConnector role. Each server runs
+on a core of its own (``pin``), as a GPU server has a device of its own: on shared cores a 60-token
+prompt to one server took up to 3.6 s to its first token while both decoded (vLLM's own counters put
+the time in its frontend, not its queue or prefill), and 45 ms at most with each on its core. Facts behind
 these choices (block size 128 on CPU, startup 40-90 s, about 2 GiB per server) were measured on
 this kind of machine; see docs/real-vllm.md.
 """
@@ -14,7 +17,9 @@ from __future__ import annotations
 import argparse
 import atexit
 import functools
+import itertools
 import json
+import os
 import random
 import shutil
 import signal
@@ -183,6 +188,20 @@ def check_installed(venv: Path = VENV, model_dir: Path = MODEL_DIR) -> None:
         raise FileNotFoundError(f"no real vLLM at {venv} / {model_dir}: run `make real-vllm`")
 
 
+# Cores handed to servers in the order they start, across every fleet of this process (a test that
+# starts a second fleet beside the first puts its servers on the next cores, not the same ones).
+_NEXT_CORE = itertools.count()
+
+
+def next_core() -> int | None:
+    """The core the next pinned server runs on, or None where pinning means nothing (one core) or
+    ``taskset`` is missing."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 or shutil.which("taskset") is None:
+        return None
+    return cores[next(_NEXT_CORE) % len(cores)]
+
+
 def _ipc_dir() -> str:
     """A directory for the servers' ZMQ sockets, removed when this process exits. vLLM makes them
     in the system's temporary directory and leaves them there when it is killed (thousands over the
@@ -201,6 +220,10 @@ class Fleet:
     names: list[str] = field(default_factory=list)
     commands: list[tuple[list[str], dict[str, str]]] = field(default_factory=list)  # argv, env
     ipc: str = field(default_factory=_ipc_dir)  # VLLM_RPC_BASE_PATH of every server it starts
+    # Each server's processes (API server, engine core, worker) bound to one core (``next_core``),
+    # kept when it is started again; more servers than cores share them in turn.
+    pin: bool = True
+    cores: dict[int, int | None] = field(default_factory=dict)
 
     def start(self, specs: Sequence[ServerSpec], prefix: str = "vllm") -> list[str]:
         """Start one server per spec, all at once (each compiles and loads in parallel), and wait
@@ -236,6 +259,10 @@ class Fleet:
         port = service_port()
         nixl = service_port() if spec.kv_role is not None else None
         argv, env = spec.argv(port), server_env(nixl)
+        if i not in self.cores:
+            self.cores[i] = next_core() if self.pin else None
+        if (core := self.cores[i]) is not None:
+            argv = [str(shutil.which("taskset")), "--cpu-list", str(core), *argv]
         env["VLLM_RPC_BASE_PATH"] = self.ipc
         if spec.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -272,9 +299,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--blocks", type=int, default=256, help="KV blocks per server (128 tokens each)")
     parser.add_argument("--priority", action="store_true", help="--scheduling-policy priority")
     parser.add_argument("--run-dir", type=Path, default=Path(".run/vllm"))
+    parser.add_argument("--no-pin", action="store_true", help="let the servers share every core")
     args = parser.parse_args(argv)
     sup = Supervisor(args.run_dir)
-    fleet = Fleet(sup)
+    fleet = Fleet(sup, pin=not args.no_pin)
     # SIGTERM stops the fleet as Ctrl-C does: its servers never outlive the command.
     signal.signal(signal.SIGTERM, _interrupt)
     spec = ServerSpec(num_gpu_blocks=args.blocks, scheduling_policy="priority" if args.priority else "fcfs")
