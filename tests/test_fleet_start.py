@@ -15,7 +15,8 @@ import pytest
 from kvgate.tools.launcher import Supervisor
 
 from vllm_real import fleet as fleet_mod
-from vllm_real.fleet import Fleet, ServerSpec, service_port
+from vllm_real.fleet import Fleet, ServerSpec
+from vllm_real.host import service_port
 
 # Answers /health with 503 while the marker file holds "bad", then 200; writes "ok" after each start
 # so that the next start is good (the first start of a test is bad when the test says so).

@@ -5,28 +5,22 @@ Each server is one process of the CPU build with one OpenMP thread and no thread
 2-core machine two threads made decode collapse whenever another process held a core), the KV cache
 sized in blocks (``num_gpu_blocks``: a small cache makes eviction happen) and the options a test
 asks for: the priority scheduler, a ZMQ KV-events publisher, a NixlConnector role. Each server runs
-on a core of its own (``pin``), as a GPU server has a device of its own: on shared cores a 60-token
-prompt to one server took up to 3.6 s to its first token while both decoded (vLLM's own counters put
-the time in its frontend, not its queue or prefill), and 45 ms at most with each on its core. Facts behind
-these choices (block size 128 on CPU, startup 40-90 s, about 2 GiB per server) were measured on
+on a core of its own (``pin``; ports, cores and socket directories come from ``vllm_real.host``), as
+a GPU server has a device of its own: on shared cores a 60-token prompt to one server took up to
+3.6 s to its first token while both decoded (vLLM's own counters put the time in its frontend, not
+its queue or prefill), and 45 ms at most with each on its core. Facts behind these choices (block size 128 on CPU, startup 40-90 s, about 2 GiB per server) were measured on
 this kind of machine; see docs/real-vllm.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import functools
-import itertools
 import json
-import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -35,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvgate.tools.launcher import Supervisor
-from kvgate.tools.readiness import free_port, last_words, wait_ready
+from kvgate.tools.readiness import last_words, wait_ready
+
+from vllm_real.host import ipc_dir, next_core, service_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".vllm-venv"
@@ -108,34 +104,6 @@ class ServerSpec:
         return out + list(self.extra)
 
 
-_HANDED_OUT: set[int] = set()  # ports service_port gave this process: chosen, perhaps not yet bound
-
-
-def service_port() -> int:
-    """A free port below the kernel's ephemeral range, never one it gave before. A server binds its
-    ports a minute after they were chosen (its side channel later still), and meanwhile every process
-    that binds port 0 (vLLM's own internal sockets among them) draws from the ephemeral range: a port
-    chosen there can be gone by then, and a NIXL handshake once timed out talking to the wrong
-    listener. A port handed out but not yet bound looks free, hence the record."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.SystemRandom()
-    for _ in range(1000):
-        port = rng.randrange(10_000, max(10_001, low - 1))
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    return free_port()
-
-
 def server_env(nixl_port: int | None = None) -> dict[str, str]:
     env = {
         "VLLM_TARGET_DEVICE": "cpu",
@@ -188,29 +156,6 @@ def check_installed(venv: Path = VENV, model_dir: Path = MODEL_DIR) -> None:
         raise FileNotFoundError(f"no real vLLM at {venv} / {model_dir}: run `make real-vllm`")
 
 
-# Cores handed to servers in the order they start, across every fleet of this process (a test that
-# starts a second fleet beside the first puts its servers on the next cores, not the same ones).
-_NEXT_CORE = itertools.count()
-
-
-def next_core() -> int | None:
-    """The core the next pinned server runs on, or None where pinning means nothing (one core) or
-    ``taskset`` is missing."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2 or shutil.which("taskset") is None:
-        return None
-    return cores[next(_NEXT_CORE) % len(cores)]
-
-
-def _ipc_dir() -> str:
-    """A directory for the servers' ZMQ sockets, removed when this process exits. vLLM makes them
-    in the system's temporary directory and leaves them there when it is killed (thousands over the
-    real suite's runs); a short path, since a Unix socket's name is limited to 107 bytes."""
-    path = tempfile.mkdtemp(prefix="kvgate-vllm-")
-    atexit.register(shutil.rmtree, path, True)
-    return path
-
-
 @dataclass
 class Fleet:
     """Servers started by one supervisor; ``urls`` in start order."""
@@ -219,7 +164,7 @@ class Fleet:
     urls: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     commands: list[tuple[list[str], dict[str, str]]] = field(default_factory=list)  # argv, env
-    ipc: str = field(default_factory=_ipc_dir)  # VLLM_RPC_BASE_PATH of every server it starts
+    ipc: str = field(default_factory=ipc_dir)  # VLLM_RPC_BASE_PATH of every server it starts
     # Each server's processes (API server, engine core, worker) bound to one core (``next_core``),
     # kept when it is started again; more servers than cores share them in turn.
     pin: bool = True
