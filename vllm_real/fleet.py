@@ -8,8 +8,9 @@ asks for: the priority scheduler, a ZMQ KV-events publisher, a NixlConnector rol
 on a core of its own (``pin``; ports, cores and socket directories come from ``vllm_real.host``), as
 a GPU server has a device of its own: on shared cores a 60-token prompt to one server took up to
 3.6 s to its first token while both decoded (vLLM's own counters put the time in its frontend, not
-its queue or prefill), and 45 ms at most with each on its core. Facts behind these choices (block size 128 on CPU, startup 40-90 s, about 2 GiB per server) were measured on
-this kind of machine; see docs/real-vllm.md.
+its queue or prefill), and 45 ms at most with each on its core. Facts behind these choices (block
+size 128 on CPU, startup 40-90 s, about 2 GiB per server) were measured on this kind of machine; see
+docs/real-vllm.md.
 """
 
 from __future__ import annotations
