@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 from kvgate.tools.launcher import Supervisor
 from kvgate.tools.readiness import last_words, wait_ready
 
-from vllm_real.host import ipc_dir, next_core, service_port
+from vllm_real.host import ipc_dir, next_core, on_core, service_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".vllm-venv"
@@ -207,8 +206,7 @@ class Fleet:
         argv, env = spec.argv(port), server_env(nixl)
         if i not in self.cores:
             self.cores[i] = next_core() if self.pin else None
-        if (core := self.cores[i]) is not None:
-            argv = [str(shutil.which("taskset")), "--cpu-list", str(core), *argv]
+        argv = on_core(argv, self.cores[i])
         env["VLLM_RPC_BASE_PATH"] = self.ipc
         if spec.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"

@@ -57,6 +57,12 @@ def next_core() -> int | None:
     return cores[next(_NEXT_CORE) % len(cores)]
 
 
+def on_core(argv: list[str], core: int | None) -> list[str]:
+    """``argv`` run with its processes (and all they start) bound to ``core``; as is for None."""
+    taskset = shutil.which("taskset")
+    return argv if core is None or taskset is None else [taskset, "--cpu-list", str(core), *argv]
+
+
 def ipc_dir() -> str:
     """A directory for the servers' ZMQ sockets, removed when this process exits. vLLM makes them
     in the system's temporary directory and leaves them there when it is killed (thousands over the
