@@ -2,8 +2,8 @@
 
 1. Calibrate: measure one real server beside N-1 busy ones (``vllm_real.calibrate --neighbours``:
    prefill per word and per chunk, decode against batch size and context, the cache's blocks) and
-   write a ``vllm-sim`` profile. Beside busy neighbours, because on a machine where the fleet shares
-   the CPU that is how fast a server of the loaded fleet is.
+   write a ``vllm-sim`` profile. Beside busy neighbours, because that is how fast a server of the
+   loaded fleet is (each on a core of its own, they still share memory and caches).
 2. Run one workload through each target (default: round robin and kvgate) on N real vLLM servers,
    their prefix caches reset before each run.
 3. Run it again through the same targets on N simulators with that profile, in real time.

@@ -19,12 +19,14 @@ What is measured (one thing at a time, medians of repeats):
 * the cache: ``block_size`` and ``num_gpu_blocks`` from ``vllm:cache_config_info``.
 
 With ``--neighbours N`` the server is measured beside N others of the fleet, each kept busy by a
-steady load (``--neighbour-streams`` streams of new prompts, one after another). On a machine where
-the fleet shares the CPU, a server is as fast as its neighbours let it be: a profile from an idle
-machine made the simulated fleet 5x faster than the real one. Beside a neighbour the measurements
-vary with what the neighbour does at that instant (decode 1-6x, a prefill 2-16x slower than alone on
-two cores), so such a profile narrows the gap without closing it (docs/real-vllm.md). GPU servers do
-not share their device, and the simulator does not model the sharing.
+steady load (``--neighbour-streams`` streams of new prompts, one after another): a server of a loaded
+fleet is as fast as its neighbours let it be. When the servers shared the machine's cores, a profile
+from an idle machine made the simulated fleet 5x faster than the real one, and one measured beside a
+neighbour varied with what the neighbour did at that instant (decode 1-6x, a prefill 2-16x slower
+than alone). The fleet binds each server to a core of its own (``vllm_real.host``), as a GPU server
+has its own device; a neighbour then still shares memory and caches (decode at 16 streams 2x slower
+than on an idle machine), and a profile measured beside one holds the simulated pair within 15 % of
+the real one in seconds (docs/real-vllm.md).
 
 ``python -m vllm_real.calibrate --out PROFILE.json`` starts a server of the fleet (or measures
 ``--url``); ``vllm-sim --profile PROFILE.json`` runs it.
