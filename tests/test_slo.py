@@ -233,4 +233,6 @@ def test_a_refusal_says_when_the_first_token_was_expected_counted_from_arrival()
             sc.service._judge("late", f, plan, 0, 0.5)
         return str(refused.value)
 
-    assert run(scenario()).startswith("its first token is expected 1.1s after it arrived")
+    assert run(scenario()) == (
+        "its first token is expected 1,100 ms after it arrived, past its objective of 1,000 ms"
+    )

@@ -49,9 +49,11 @@ class SloShed(Exception):
 
     def __init__(self, retry_after: int, predicted: float, objective: float) -> None:
         """``predicted``: seconds from the request's arrival, as its objective counts them."""
+        # In whole milliseconds, rounded up: tenths of a second read "expected 1.0s, past its
+        # objective of 1.0s" for a request 40 ms past it.
         super().__init__(
-            f"its first token is expected {predicted:.1f}s after it arrived, past its objective of "
-            f"{objective:.1f}s"
+            f"its first token is expected {math.ceil(predicted * 1000 - 1e-6):,} ms after it arrived, "
+            f"past its objective of {round(objective * 1000):,} ms"
         )
         self.retry_after = retry_after
 
