@@ -122,7 +122,8 @@ class Gateways:
                     kv_blocks=e.config.num_gpu_blocks,
                 ),
             )
-            core.service.tokens.counted(bid, float(e.counters.prompt_tokens), len(self.replicas))
+            unreported = core.registry.ledger.unreported.get(bid, 0)
+            core.service.tokens.counted(bid, float(e.counters.prompt_tokens), len(self.replicas), unreported)
         core.registry.changed()
 
     def share(self, k: int, now: float) -> None:

@@ -15,8 +15,10 @@ def test_inflight_counts_rise_with_decisions_and_end_with_reports() -> None:
         ledger = sc.registry.ledger
         assert sum(ledger.counts.values()) == 12 and sum(ledger.tokens.values()) > 0
         assert sum(ledger.attention.values()) > 0
+        assert sum(ledger.unreported.values()) == 12  # prompts the backends may count before we know
         sc.service.report([Outcome.first(r.decision_id, r.candidates[0].id) for r in routed])
         assert sum(ledger.tokens.values()) == 0  # first bytes: prefill done
+        assert sum(ledger.unreported.values()) == 0
         assert sum(ledger.attention.values()) == 0.0
         assert sum(sc.registry.ledger.counts.values()) == 12
         sc.service.report(
@@ -24,8 +26,10 @@ def test_inflight_counts_rise_with_decisions_and_end_with_reports() -> None:
         )
         assert sum(sc.registry.ledger.counts.values()) == 0 and len(sc.registry.ledger) == 0
         more = [await sc.service.route(features(i)) for i in range(20, 26)]  # ended before a first byte
+        assert sum(ledger.unreported.values()) == 6
         sc.service.report([Outcome.end(r.decision_id, r.candidates[0].id, 502, True, 0.1, 0.5) for r in more])
         assert sum(ledger.tokens.values()) == 0 and sum(ledger.attention.values()) == 0.0
+        assert sum(ledger.unreported.values()) == 0
         sc.service.report(
             [Outcome.end(r.decision_id, r.candidates[0].id, 200, True, 0.1, 0.5) for r in routed]
         )
@@ -44,6 +48,7 @@ def test_a_drop_ends_a_decision_even_when_it_overtakes_the_decision() -> None:
         late = await sc.service.route(features(2), "gw.2")
         assert late.candidates and len(sc.registry.ledger) == 0
         assert sum(sc.registry.ledger.counts.values()) == 0 and counted.decision_id == "gw.1"
+        assert sum(sc.registry.ledger.unreported.values()) == 0
 
     run(scenario())
 

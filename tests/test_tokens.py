@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from kvgate.config import ConfigError, TokensConfig
 from kvgate.config.fields import load
-from kvgate.tokens import TokenEstimator
+from kvgate.tokens import MAX_WINDOW_TOKENS, TokenEstimator
 
 from tests.cores import MODEL
 
@@ -72,6 +72,48 @@ def test_the_ratio_holds_when_reports_and_scrapes_are_out_of_step() -> None:
     assert len(seen) > 300
     assert all(2.4 < r < 3.6 for r in seen[20:])  # within 20 % once it has a few windows
     assert abs(sum(seen[20:]) / len(seen[20:]) - 3.0) < 0.15
+
+
+def test_a_window_waits_for_the_first_bytes_of_the_prompts_its_counter_may_hold() -> None:
+    """16,000-token documents at 8 bytes a token, one at a time: the engine counts each a moment
+    before its first byte is reported, and every other scrape falls in that moment, reading its
+    tokens without its bytes. Told a prompt is still unreported, the window stays open and closes on
+    whole prompts; blind to it, the estimate swings with each window."""
+
+    def run(aware: bool) -> list[float]:
+        t = TokenEstimator(TokensConfig())
+        t.counted("a", 0.0)
+        counter, seen = 0.0, []
+        for i in range(20):
+            counter += 16_000
+            if i % 2:  # this scrape comes between the count and the report
+                t.counted("a", counter, unreported=1 if aware else 0)
+                t.served("a", MODEL, 128_000)
+            else:
+                t.served("a", MODEL, 128_000)
+                t.counted("a", counter)
+            seen.append(t.ratio(MODEL))
+        return seen[10:]  # once the prior has mostly decayed
+
+    assert all(r == pytest.approx(8.0, rel=0.02) for r in run(aware=True))
+    blind = run(aware=False)
+    assert min(blind) < 7.6 and max(blind) - min(blind) > 0.5  # 7.1 to 8.2 in the ten windows
+
+
+def test_a_busy_backends_window_closes_at_its_size_limit() -> None:
+    """A backend always holding some unreported prompt still teaches: its window closes at
+    ``MAX_WINDOW_TOKENS``, where one prompt astride its edge weighs little."""
+    t = TokenEstimator(TokensConfig())
+    t.counted("a", 0.0)
+    counter = 0.0
+    while counter < MAX_WINDOW_TOKENS - 10_000:
+        counter += 10_000
+        t.served("a", MODEL, 60_000)
+        t.counted("a", counter, unreported=3)
+        assert MODEL not in t.learned
+    t.served("a", MODEL, 60_000)
+    t.counted("a", counter + 10_000, unreported=3)
+    assert MODEL in t.learned and t.ratio(MODEL) < 6.5
 
 
 def test_with_several_replicas_each_learns_from_its_share_of_the_counts() -> None:

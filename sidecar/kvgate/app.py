@@ -76,7 +76,9 @@ async def _scrape_round(
             metrics.scrape_latency.observe(time.perf_counter() - t0)
         registry.scrape_ok(bid, scraped)
         if tokens is not None:
-            tokens.counted(bid, scraped.prompt_tokens, registry.replicas)
+            tokens.counted(
+                bid, scraped.prompt_tokens, registry.replicas, registry.ledger.unreported.get(bid, 0)
+            )
         if want_models:
             try:
                 cards = await served_models(session, url, sc.timeout_s)

@@ -3,7 +3,8 @@ prefill it still owes, summed per backend for the policies (``Snapshot.inflight`
 
 A decision is counted when it is committed (``start``), moves when its session turns out bound
 elsewhere (``move``), owes no prefill once its first byte is back (``prefill_done``) and leaves at its
-end or drop (``finish``, ``drop``); ``_uncount`` is the one place its counts come down. A drop that
+end or drop (``finish``, ``drop``); ``_uncount`` is the one place its counts come down (``served``
+also takes it out of ``unreported`` once its prompt has been counted). A drop that
 overtakes its decision keeps that decision from ever counting; a decision never reported (a gateway
 that crashed) stops counting after ``INFLIGHT_EXPIRY_S``.
 """
@@ -65,6 +66,9 @@ class InflightLedger:
         self.counts: dict[str, int] = {}  # backend -> requests routed, not reported
         self.tokens: dict[str, int] = {}  # backend -> their uncached tokens
         self.attention: dict[str, float] = {}  # backend -> those tokens' quadratic part
+        # backend -> decisions whose prompt it may have counted without this replica knowing yet
+        # (no first byte reported): the token estimate waits for none (``kvgate.tokens``)
+        self.unreported: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -95,12 +99,19 @@ class InflightLedger:
         self.counts[b] = self.counts.get(b, 0) + 1
         self.tokens[b] = self.tokens.get(b, 0) + entry.tokens
         self.attention[b] = self.attention.get(b, 0.0) + entry.attention
+        if entry.prompt_bytes:
+            self.unreported[b] = self.unreported.get(b, 0) + 1
 
     def _uncount(self, entry: _Entry) -> None:
         """Where the counts ``_count`` raised come down: a decision that ended, or moved."""
         b = entry.backend
         self.counts[b] = max(0, self.counts.get(b, 0) - 1)
+        self._reported(entry)
         self._unqueue(entry)
+
+    def _reported(self, entry: _Entry) -> None:
+        if entry.prompt_bytes:
+            self.unreported[entry.backend] = max(0, self.unreported.get(entry.backend, 0) - 1)
 
     def _unqueue(self, entry: _Entry) -> None:
         """Its prefill no longer waits on its backend (it ended, moved, or its first byte came)."""
@@ -132,6 +143,7 @@ class InflightLedger:
         if entry is None or entry.prompt_bytes == 0:
             return None
         out = Served(entry.backend, entry.model, entry.prompt_bytes)
+        self._reported(entry)
         entry.prompt_bytes = 0
         return out
 
