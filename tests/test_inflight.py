@@ -1,8 +1,12 @@
 """The in-flight ledger through the decision service: counts rise with decisions and come back to zero
-with their reports, and a drop that overtakes its decision keeps it from counting."""
+with their reports, and a drop that overtakes its decision keeps it from counting; and the prefill in
+progress, counted less what the backend's fit says is done."""
 
 from __future__ import annotations
 
+from kvgate.config import GatewayConfig
+from kvgate.first_byte import PROGRESS_CAP, FirstByteBudget
+from kvgate.inflight import InflightLedger
 from kvgate.messages import Outcome
 
 from tests.cores import config, features, ready, run
@@ -85,3 +89,38 @@ def test_each_decision_expects_a_first_byte_time_and_its_error_is_measured_on_th
         assert len(sc.registry.ledger) == 0
 
     run(scenario())
+
+
+def test_the_prefill_in_progress_counts_less_what_the_fit_says_is_done() -> None:
+    """A backend whose first bytes take 0.1 s plus 0.1 ms a token of work: a 10,000-token prefill
+    costs it about a second. Half a second into it, a new request waits behind half of it; past
+    the second, behind ``PROGRESS_CAP`` of it, until its first byte says it is done, and the next
+    one's prefill counts from then."""
+    now = [0.0]
+    fit = FirstByteBudget(GatewayConfig(), lambda: now[0])
+    for i in range(40):
+        work = 1_000 * (i % 10)
+        fit.learn("b", work, 0.1 + 1e-4 * work)
+    ledger = InflightLedger(lambda _: True)
+    ledger.clock = lambda: now[0]
+    ledger.progress = fit.progress
+    ledger.start("a", "b", 10_000, now[0])
+    assert ledger.ahead("b") == (10_000, 0.0)
+    now[0] = 0.5
+    assert abs(ledger.ahead("b")[0] - 5_000) <= 10
+    ledger.start("c", "b", 2_000, now[0])
+    assert abs(ledger.ahead("b")[0] - 7_000) <= 10  # the new one waits behind the same half
+    now[0] = 3.0  # longer than expected: not done before its first byte
+    assert ledger.ahead("b")[0] == round(10_000 * (1 - PROGRESS_CAP)) + 2_000
+    assert ledger.prefill_done("a", "b", now[0]) is not None
+    assert ledger.ahead("b")[0] == 2_000  # the next one's prefill starts now
+    now[0] = 3.1  # 0.1 s into its 0.2 s
+    assert abs(ledger.ahead("b")[0] - 1_000) <= 10
+    ledger.finish("c")
+    ledger.finish("a")
+    assert ledger.ahead("b") == (0, 0.0) and ledger.tokens["b"] == 0
+    now[0] = 10.0  # a request on an idle backend starts its own clock
+    ledger.start("d", "b", 2_000, now[0])
+    assert ledger.ahead("b")[0] == 2_000
+    ledger.finish("d")
+    assert len(ledger) == 0 and ledger.ahead("b") == (0, 0.0)

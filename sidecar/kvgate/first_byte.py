@@ -13,7 +13,9 @@ replica has routed to it and not yet seen answered, plus the part of this prompt
 ``attention`` the same prefills' quadratic part (``attention_of``: each uncached token times the
 context it attends to), and ``a``, ``b``, ``d`` are fitted per backend, by least squares with
 exponential decay and no negative cost, to the time from each decision to its first-byte report
-against the work the decision saw. Attention is a small share of a prefill on a GPU at 8B scale (the
+against the work the decision saw. The oldest prefill queued there is counted less the share of it
+the fit says is done (``progress``, read by the ledger): a request that comes half way through a
+16,000-token prefill waits for half of it. Attention is a small share of a prefill on a GPU at 8B scale (the
 fit leaves it out there: ``ATTENTION_SHARE``) and most of a long prefill on a small model or a CPU:
 with tokens alone the prediction for a 16k-token prompt there came out a fraction of what it took.
 
@@ -63,6 +65,8 @@ ATTENTION_SHARE = 0.5
 # token: positive, and no guard against sending one of them every request of a burst.
 QUEUE_SHARE = 0.1
 BLIND_REACH = 2.0  # a blind fit's budget holds up to this many times the mean work it has seen
+# No prefill is counted done before its first byte comes, however long it has run (``progress``).
+PROGRESS_CAP = 0.9
 
 
 Work = tuple[int, float]  # prefill tokens and their attention (``attention_of``)
@@ -170,6 +174,17 @@ class FirstByteBudget:
         if fit is None or fit.weight(self.clock()) < MIN_WEIGHT:
             return None
         return _line(fit, work, attention)
+
+    def progress(self, backend: str, tokens: int, attention: float, elapsed: float) -> float:
+        """The share of a prefill of ``tokens`` (``attention``: their quadratic part) that
+        ``backend`` has done ``elapsed`` seconds after it could start: the seconds its fit says
+        that work costs, spent at that rate, up to ``PROGRESS_CAP``. 0 before the fit is used."""
+        fit = self._fits.get(backend)
+        if fit is None or fit.n < MIN_SAMPLES or elapsed <= 0.0:
+            return 0.0
+        _, b, d = fit.model()
+        cost = b * tokens + d * attention
+        return min(PROGRESS_CAP, elapsed / cost) if cost > 0.0 else 0.0
 
     def sees_queue(self, backend: str) -> bool:
         """Whether ``backend``'s prediction grows with the prefill queued ahead: whether the work

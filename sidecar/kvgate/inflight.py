@@ -34,6 +34,7 @@ class _Entry:
     work: int = 0  # prefill tokens ahead of its first token when routed (others' queued and its own)
     work_attention: float = 0.0  # and their quadratic part
     predicted: float | None = None  # its expected seconds to the first byte, when routed
+    decision_id: str = ""
 
 
 class FirstByte(NamedTuple):
@@ -69,6 +70,13 @@ class InflightLedger:
         # backend -> decisions whose prompt it may have counted without this replica knowing yet
         # (no first byte reported): the token estimate waits for none (``kvgate.tokens``)
         self.unreported: dict[str, int] = {}
+        # backend -> decisions still owing prefill there, oldest first: an engine prefills about in
+        # the order requests come, so the oldest is the one in progress
+        self._queued: dict[str, dict[str, _Entry]] = {}
+        self._head_since: dict[str, float] = {}  # backend -> when its oldest's prefill could start
+        # The share of a prefill of (tokens, attention) a backend has done in so many seconds
+        # (``FirstByteBudget.progress``); None: none counted.
+        self.progress: Callable[[str, int, float, float], float] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -88,7 +96,7 @@ class InflightLedger:
         decision)."""
         if self._dropped.pop(decision_id, None) is not None or not self._known(bid):
             return False
-        entry = _Entry(bid, tokens, now, model, prompt_bytes, attention)
+        entry = _Entry(bid, tokens, now, model, prompt_bytes, attention, decision_id=decision_id)
         entry.work, entry.work_attention = self.ahead(bid, tokens, attention)
         self._count(entry)
         self._entries[decision_id] = entry
@@ -101,6 +109,11 @@ class InflightLedger:
         self.attention[b] = self.attention.get(b, 0.0) + entry.attention
         if entry.prompt_bytes:
             self.unreported[b] = self.unreported.get(b, 0) + 1
+        if entry.tokens > 0:
+            queue = self._queued.setdefault(b, {})
+            if not queue:  # nothing ahead of it: its prefill can start now
+                self._head_since[b] = entry.at
+            queue[entry.decision_id] = entry
 
     def _uncount(self, entry: _Entry) -> None:
         """Where the counts ``_count`` raised come down: a decision that ended, or moved."""
@@ -116,14 +129,32 @@ class InflightLedger:
     def _unqueue(self, entry: _Entry) -> None:
         """Its prefill no longer waits on its backend (it ended, moved, or its first byte came)."""
         b = entry.backend
+        queue = self._queued.get(b)
+        if queue is not None and entry.decision_id in queue:
+            oldest = next(iter(queue)) == entry.decision_id
+            del queue[entry.decision_id]
+            if not queue:
+                del self._queued[b]
+                self._head_since.pop(b, None)
+            elif oldest:  # its prefill is over (or gone): the next one's can start now
+                self._head_since[b] = max(self.clock(), next(iter(queue.values())).at)
         self.tokens[b] = max(0, self.tokens.get(b, 0) - entry.tokens)
         left = self.attention.get(b, 0.0) - entry.attention
         self.attention[b] = left if left > 1e-6 else 0.0  # float sums: no residue below zero
         entry.tokens, entry.attention = 0, 0.0
 
     def ahead(self, bid: str, tokens: int = 0, attention: float = 0.0) -> Work:
-        """The prefill queued on ``bid`` (tokens, their quadratic part), plus a request's own."""
-        return self.tokens.get(bid, 0) + tokens, self.attention.get(bid, 0.0) + attention
+        """The prefill queued on ``bid`` (tokens, their quadratic part), plus a request's own. The
+        oldest of those prefills is counted less the share ``progress`` says it has done."""
+        t, q = self.tokens.get(bid, 0), self.attention.get(bid, 0.0)
+        queue = self._queued.get(bid)
+        if queue and self.progress is not None:
+            head = next(iter(queue.values()))
+            done = self.progress(
+                bid, head.tokens, head.attention, self.clock() - self._head_since.get(bid, head.at)
+            )
+            t, q = t - round(done * head.tokens), q - done * head.attention
+        return t + tokens, max(0.0, q) + attention
 
     def move(self, decision_id: str, bid: str, tokens: int, attention: float = 0.0) -> None:
         """The decision now goes to ``bid`` with ``tokens`` uncached prompt tokens (the session it

@@ -88,6 +88,8 @@ class DecisionService:
         self.tokens = tokens if tokens is not None else TokenEstimator(config.tokens)
         self.tokenizer: TokenSource | None = None  # set by the app, which owns the HTTP session
         self.first_byte = FirstByteBudget(config.gateway, lambda: registry.ledger.clock())
+        # the ledger counts the prefill in progress on a backend less what its fit says is done
+        registry.ledger.progress = self.first_byte.progress
         registry.on_restart.append(self.first_byte.restart)
         self.queue = GatewayQueue(config.queue) if config.queue.enabled else None
         if self.queue is not None:
