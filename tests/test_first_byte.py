@@ -81,18 +81,35 @@ def test_attention_that_is_a_small_share_of_the_first_byte_stays_out_of_the_fit(
     assert d is not None and d["s_per_1k_tokens_per_1k_context"] == 0.0
 
 
-def test_attention_that_explains_little_more_than_the_tokens_stays_out_of_the_fit() -> None:
-    """Prompts of 5,000 to 8,000 tokens, first bytes noisier than their curvature: attention
-    explains a little more than the line (here the truth), too little to tell from the noise, and the
-    line stays."""
+def test_the_fit_that_predicts_the_recent_answers_better_is_used() -> None:
+    """Short chats beside 16,000-token documents on a small model, where attention is most of a long
+    prefill: chats, questions on a held document (a few hundred new tokens at 16,000 of context)
+    and whole documents, whose first bytes scatter (a document often comes while another's prefill
+    is part done). The documents' seconds decide the variance explained, and by that test the line
+    on tokens stayed, putting a 100-token chat at 2.9x its time and a question at 0.6x. Chosen by
+    the median relative error of the recent answers, the fit with attention is used."""
+
+    def truth(n: int, q: float) -> float:
+        return 0.010 + 7.8e-6 * n + 6.66e-6 * q
+
     b = budget()
-    rng = random.Random(11)
+    rng = random.Random(13)
     for _ in range(200):
-        n = rng.randrange(5_000, 8_000)
-        q = attention_of(n, n)
-        b.learn("a", n, 0.01 + 5e-5 * q + rng.uniform(-0.05, 0.05), q)
+        kind = rng.random()
+        if kind < 0.5:
+            n, context, scatter = rng.randrange(50, 200), 0, 1.0
+        elif kind < 0.8:
+            n, context, scatter = rng.randrange(300, 1_500), 16_000, 1.0
+        else:
+            n, context, scatter = 16_000, 16_000, rng.uniform(0.5, 1.1)
+        q = attention_of(n, max(n, context))
+        b.learn("a", n, truth(n, q) * scatter, q)
     d = b.describe("a")
-    assert d is not None and d["s_per_1k_tokens_per_1k_context"] == 0.0
+    assert d is not None and d["s_per_1k_tokens_per_1k_context"] > 0.0
+    for n, context, within in ((100, 100, 0.6), (800, 16_000, 0.2)):
+        q = attention_of(n, context)
+        got = b.predict("a", n, q)
+        assert got is not None and abs(got / truth(n, q) - 1) < within
 
 
 def test_answers_all_of_one_size_give_a_rate_through_zero() -> None:
