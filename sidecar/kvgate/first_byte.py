@@ -96,9 +96,8 @@ class _Fit:
     tq: float = 0.0
     ty: float = 0.0
     qy: float = 0.0
-    recent: deque[tuple[float, float, float]] = field(
-        default_factory=lambda: deque(maxlen=RECENT)
-    )  # (t, q, y)
+    # the last RECENT answers as they came, (t, q, y): the candidates' median error (``_missed``)
+    recent: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=RECENT))
     n: int = 0
     at: float = 0.0  # when the last answer came (the ledger's clock)
     # model() until the next answer: every decision reads each backend's fit for its expectation
