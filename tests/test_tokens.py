@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from kvgate.config import ConfigError, TokensConfig
 from kvgate.config.fields import load
-from kvgate.tokens import MAX_WINDOW_TOKENS, TokenEstimator
+from kvgate.tokens import HARD_WINDOW_TOKENS, MAX_WINDOW_TOKENS, TokenEstimator
 
 from tests.cores import MODEL
 
@@ -114,6 +114,38 @@ def test_a_busy_backends_window_closes_at_its_size_limit() -> None:
     t.served("a", MODEL, 60_000)
     t.counted("a", counter + 10_000, unreported=3)
     assert MODEL in t.learned and t.ratio(MODEL) < 6.5
+
+
+def test_a_busy_window_past_its_size_limit_waits_for_a_long_prompts_bytes() -> None:
+    """At the size limit a window still closes only if its bytes and tokens agree with the estimate
+    (within ``BALANCE``): a 120,000-token prompt counted a moment before its first byte is reported
+    would otherwise be a window of 1.7 bytes a token where the truth is 4, and the next one of 80."""
+    t = TokenEstimator(TokensConfig())
+    t.counted("a", 0.0)
+    counter = 0.0
+    while counter < MAX_WINDOW_TOKENS - 20_000:
+        counter += 10_000
+        t.served("a", MODEL, 40_000)
+        t.counted("a", counter, unreported=3)
+    counter += 120_000  # the long prompt's tokens, its bytes not yet reported
+    t.counted("a", counter, unreported=3)
+    assert MODEL not in t.learned
+    t.served("a", MODEL, 480_000)
+    t.counted("a", counter + 1_000, unreported=3)
+    assert t.ratio(MODEL) == pytest.approx(4.0, rel=0.02)
+
+
+def test_a_window_that_never_agrees_closes_at_the_hard_limit() -> None:
+    """Tokens no byte of this replica's explains (clients that reach the backend without kvgate)
+    keep a busy window unbalanced: it still closes, at ``HARD_WINDOW_TOKENS``."""
+    t = TokenEstimator(TokensConfig())
+    t.counted("a", 0.0)
+    counter = 0.0
+    while MODEL not in t.learned:
+        counter += 50_000
+        t.served("a", MODEL, 1_000)
+        t.counted("a", counter, unreported=1)
+    assert counter == HARD_WINDOW_TOKENS
 
 
 def test_with_several_replicas_each_learns_from_its_share_of_the_counts() -> None:

@@ -22,7 +22,11 @@ the bytes of two with the tokens of one (on a workload of 16,000-token documents
 went 15.8 -> 9.8 -> 10.7 -> 8.6 against a true 7.9, and every prefill estimate with it). So a window
 closes only at a scrape where every prompt this replica sent the backend has had its first byte
 reported (``InflightLedger.unreported``), when the two sides describe the same prompts, or once it
-has grown to ``MAX_WINDOW_TOKENS``, where a prompt or two astride its edge weigh little. The sums
+has grown to ``MAX_WINDOW_TOKENS``, where a prompt or two astride its edge weigh little. Not a
+prompt of 100,000 tokens, which is the whole window: there the window also waits until its bytes and
+tokens agree with the estimate within ``BALANCE`` (on the conversation trace its longest prompts made
+windows of 0 and of 20-400 bytes a token against 7.9, each pair swinging the estimate by 20 %), and
+closes whatever they say at ``HARD_WINDOW_TOKENS``. The sums
 also start from the configured ratio, weighing as much as ``PRIOR_TOKENS`` of counted prompts: the
 first windows pull the estimate towards what they saw, and the prior has decayed away after a few
 dozen.
@@ -50,6 +54,8 @@ from kvgate.config.fields import specs
 MIN_SAMPLE_TOKENS = 2000  # a window this small says little: it waits for more
 # A window still waiting for first bytes closes at this size: a busy backend always has some.
 MAX_WINDOW_TOKENS = 50 * MIN_SAMPLE_TOKENS
+BALANCE = 2.0  # ... if its bytes and tokens agree with the estimate within this factor
+HARD_WINDOW_TOKENS = 10 * MAX_WINDOW_TOKENS  # and at this size whatever they say
 DECAY = 0.05  # each window's weight in the sums: the estimate follows about the last 20 windows
 PRIOR_TOKENS = 2 * MIN_SAMPLE_TOKENS  # the default ratio's weight in the sums before any window
 # A byte-level BPE token covers at least one byte of text; a chat template's own tokens push a
@@ -112,7 +118,10 @@ class TokenEstimator:
             b.seen = False
             return
         b.tokens += (counter - previous) / max(1, replicas)
-        if b.tokens < MIN_SAMPLE_TOKENS or (unreported and b.tokens < MAX_WINDOW_TOKENS):
+        if b.tokens < MIN_SAMPLE_TOKENS:
+            return
+        open_for_reports = b.tokens < MAX_WINDOW_TOKENS or not self._balanced(b)
+        if unreported and b.tokens < HARD_WINDOW_TOKENS and open_for_reports:
             return
         # A window that mixed models cannot tell their ratios apart; one whose tokens came from
         # prompts reported in an earlier window (reports and scrapes are not in step) still counts,
@@ -123,6 +132,12 @@ class TokenEstimator:
             self._add(model, b.bytes.get(model, 0), b.tokens)
         b.bytes.clear()
         b.tokens = 0.0
+
+    def _balanced(self, b: _Backend) -> bool:
+        """Whether a window's bytes and tokens agree with the estimate within ``BALANCE``: one that
+        holds a long prompt's tokens without its bytes (or its bytes without its tokens) does not."""
+        ratio = self.ratio(b.model)
+        return ratio / BALANCE * b.tokens <= sum(b.bytes.values()) <= ratio * BALANCE * b.tokens
 
     def _add(self, model: str | None, served: float, tokens: float) -> None:
         prior = (PRIOR_TOKENS * self.config.default_bytes_per_token, float(PRIOR_TOKENS))
