@@ -119,7 +119,7 @@ def test_a_busy_backends_window_closes_at_its_size_limit() -> None:
 def test_a_busy_window_past_its_size_limit_waits_for_a_long_prompts_bytes() -> None:
     """At the size limit a window still closes only if its bytes and tokens agree with the estimate
     (within ``BALANCE``): a 120,000-token prompt counted a moment before its first byte is reported
-    would otherwise be a window of 1.7 bytes a token where the truth is 4, and the next one of 80."""
+    would otherwise close a window at 1.6 bytes a token where the truth is 4, its bytes in the next."""
     t = TokenEstimator(TokensConfig())
     t.counted("a", 0.0)
     counter = 0.0
