@@ -42,6 +42,11 @@ from kvgate.tokens import TokenEstimator
 logger = logging.getLogger(__name__)
 MODELS_EVERY = 20  # scrape rounds between /v1/models refreshes
 DRAIN_QUIET_S = 1.0  # SIGTERM: stop once no decision connection has been open this long
+# Stopping, an HTTP request still in progress gets this long (aiohttp's own default is 60 s, and
+# the decision socket keeps serving until the HTTP side has stopped), and so does each background
+# task to end once cancelled. A fault test sent SIGINT ("stop at once") and the sidecar was still
+# deciding minutes later, with its HTTP port closed.
+STOP_GRACE_S = 2.0
 
 REDIS: web.AppKey[RedisClient] = web.AppKey("redis")
 SERVICE = web.AppKey("service", DecisionService)
@@ -199,9 +204,12 @@ def create_app(config: Config, config_path: str | Path | None = None) -> web.App
         yield
         for t in tasks:
             t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # A task caught in a call that does not give way to its cancellation must not hold the exit.
+        _, stuck = await asyncio.wait(tasks, timeout=STOP_GRACE_S)
+        for t in stuck:
+            logger.warning(
+                "stopping: task %s did not end within %.0fs; left behind", t.get_name(), STOP_GRACE_S
+            )
         await session.close()
 
     async def socket_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -228,7 +236,7 @@ async def serve(config: Config, config_path: str | Path | None = None) -> None:
     gc.collect()
     gc.freeze()
     app = create_app(config, config_path)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=STOP_GRACE_S)
     await runner.setup()
     site = web.TCPSite(runner, config.listen.http_host, config.listen.http_port)
     await site.start()
@@ -240,7 +248,7 @@ async def serve(config: Config, config_path: str | Path | None = None) -> None:
     )
     runners = [runner]
     if config.listen.metrics_port is not None:
-        public = web.AppRunner(app[METRICS_APP], access_log=None)
+        public = web.AppRunner(app[METRICS_APP], access_log=None, shutdown_timeout=STOP_GRACE_S)
         await public.setup()
         await web.TCPSite(public, config.listen.metrics_host, config.listen.metrics_port).start()
         runners.append(public)

@@ -379,3 +379,24 @@ def test_a_sidecar_told_to_stop_serves_until_its_gateway_has_gone(stack: Supervi
     sidecar.wait(10)
     assert time.monotonic() - t0 < 5
     assert "drained: stopping" in (stack.run_dir / f"{s.gw.sidecar.name}.log").read_text()
+
+
+def test_a_sidecar_told_to_stop_at_once_stops_with_an_http_request_half_sent(stack: Supervisor) -> None:
+    """SIGINT stops at once. An HTTP request still in progress (here, one whose body never comes)
+    used to hold the sidecar for aiohttp's default 60 s, deciding on its socket with its HTTP port
+    closed; it now gets ``STOP_GRACE_S``."""
+    import os
+    import signal
+    import time
+    from urllib.parse import urlsplit
+
+    s = Stack(stack, n=1)
+    sidecar = stack.procs[s.gw.sidecar.name]
+    addr = urlsplit(s.gw.sidecar.http)
+    with socket.create_connection((addr.hostname, addr.port), timeout=5) as conn:
+        conn.sendall(b"POST /v1/decide HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        time.sleep(0.3)  # the handler is reading the body
+        t0 = time.monotonic()
+        os.kill(sidecar.pid, signal.SIGINT)
+        sidecar.wait(20)
+        assert time.monotonic() - t0 < 6
