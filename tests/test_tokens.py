@@ -100,17 +100,23 @@ def test_a_window_waits_for_the_first_bytes_of_the_prompts_its_counter_may_hold(
     assert min(blind) < 7.6 and max(blind) - min(blind) > 0.5  # 7.1 to 8.2 in the ten windows
 
 
+def _busy(t: TokenEstimator, counter: float, until: float, bytes_per_token: int) -> float:
+    """Prompts of 10,000 tokens counted and reported while others stay unreported, up to ``until``
+    counted tokens; the counter reached."""
+    while counter < until:
+        counter += 10_000
+        t.served("a", MODEL, 10_000 * bytes_per_token)
+        t.counted("a", counter, unreported=3)
+    return counter
+
+
 def test_a_busy_backends_window_closes_at_its_size_limit() -> None:
     """A backend always holding some unreported prompt still teaches: its window closes at
     ``MAX_WINDOW_TOKENS``, where one prompt astride its edge weighs little."""
     t = TokenEstimator(TokensConfig())
     t.counted("a", 0.0)
-    counter = 0.0
-    while counter < MAX_WINDOW_TOKENS - 10_000:
-        counter += 10_000
-        t.served("a", MODEL, 60_000)
-        t.counted("a", counter, unreported=3)
-        assert MODEL not in t.learned
+    counter = _busy(t, 0.0, MAX_WINDOW_TOKENS - 10_000, 6)
+    assert MODEL not in t.learned  # (a ratio once learned stays)
     t.served("a", MODEL, 60_000)
     t.counted("a", counter + 10_000, unreported=3)
     assert MODEL in t.learned and t.ratio(MODEL) < 6.5
@@ -122,11 +128,7 @@ def test_a_busy_window_past_its_size_limit_waits_for_a_long_prompts_bytes() -> N
     would otherwise close a window at 1.6 bytes a token where the truth is 4, its bytes in the next."""
     t = TokenEstimator(TokensConfig())
     t.counted("a", 0.0)
-    counter = 0.0
-    while counter < MAX_WINDOW_TOKENS - 20_000:
-        counter += 10_000
-        t.served("a", MODEL, 40_000)
-        t.counted("a", counter, unreported=3)
+    counter = _busy(t, 0.0, MAX_WINDOW_TOKENS - 20_000, 4)
     counter += 120_000  # the long prompt's tokens, its bytes not yet reported
     t.counted("a", counter, unreported=3)
     assert MODEL not in t.learned

@@ -45,7 +45,7 @@ DRAIN_QUIET_S = 1.0  # SIGTERM: stop once no decision connection has been open t
 # Stopping, an HTTP request still in progress gets this long (aiohttp's own default is 60 s, and
 # the decision socket keeps serving until the HTTP side has stopped), and so does each background
 # task to end once cancelled. A fault test sent SIGINT ("stop at once") and the sidecar was still
-# deciding minutes later, with its HTTP port closed.
+# deciding half a minute later, with its HTTP port closed.
 STOP_GRACE_S = 2.0
 
 REDIS: web.AppKey[RedisClient] = web.AppKey("redis")

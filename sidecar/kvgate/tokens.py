@@ -118,10 +118,7 @@ class TokenEstimator:
             b.seen = False
             return
         b.tokens += (counter - previous) / max(1, replicas)
-        if b.tokens < MIN_SAMPLE_TOKENS:
-            return
-        open_for_reports = b.tokens < MAX_WINDOW_TOKENS or not self._balanced(b)
-        if unreported and b.tokens < HARD_WINDOW_TOKENS and open_for_reports:
+        if b.tokens < MIN_SAMPLE_TOKENS or (unreported and not self._closes_busy(b)):
             return
         # A window that mixed models cannot tell their ratios apart; one whose tokens came from
         # prompts reported in an earlier window (reports and scrapes are not in step) still counts,
@@ -133,11 +130,19 @@ class TokenEstimator:
         b.bytes.clear()
         b.tokens = 0.0
 
-    def _balanced(self, b: _Backend) -> bool:
-        """Whether a window's bytes and tokens agree with the estimate within ``BALANCE``: one that
-        holds a long prompt's tokens without its bytes (or its bytes without its tokens) does not."""
+    def _closes_busy(self, b: _Backend) -> bool:
+        """Whether a window still waiting for first bytes closes: at ``MAX_WINDOW_TOKENS`` if its
+        bytes and tokens agree with the estimate within ``BALANCE`` (one that holds a long prompt's
+        tokens without its bytes, or its bytes without its tokens, does not), at
+        ``HARD_WINDOW_TOKENS`` whatever they say."""
+        if b.tokens >= HARD_WINDOW_TOKENS:
+            return True
         ratio = self.ratio(b.model)
-        return ratio / BALANCE * b.tokens <= sum(b.bytes.values()) <= ratio * BALANCE * b.tokens
+        served = sum(b.bytes.values())
+        return (
+            b.tokens >= MAX_WINDOW_TOKENS
+            and ratio / BALANCE * b.tokens <= served <= ratio * BALANCE * b.tokens
+        )
 
     def _add(self, model: str | None, served: float, tokens: float) -> None:
         prior = (PRIOR_TOKENS * self.config.default_bytes_per_token, float(PRIOR_TOKENS))
