@@ -147,6 +147,27 @@ def test_gateway_replicas_split_a_backends_prefill_budget_for_dispatch() -> None
     assert not waiting.has_room("a")  # a backend queueing requests has no room, whatever the tokens
 
 
+def test_a_backend_saturated_by_its_queue_is_admitted_where_the_queue_is_counted_but_not_out_of_kv() -> None:
+    """``bound_admits(queued=True)``, for a placement whose expected first byte counts the queue: a
+    backend queueing (requests waiting, or prefill tokens past the budget) is admitted, one at its KV
+    mark or with requests waiting for free blocks is not, and the load bound still holds."""
+    limits = LoadLimits(1.25, 1, 0.95, 1000)  # the gateway queue's: saturated at one waiting
+    views = {
+        "tokens": load(),
+        "waiting": load(requests=1, waiting=1),
+        "kv": load(kv=0.96),
+        "blocks": replace(load(), kv_short=True),
+        "idle": load(),
+    }
+    nodes = {n: NodeView(n, 1.0, v) for n, v in views.items()}
+    s = Snapshot(nodes, Ring({n: 1.0 for n in nodes}), limits, {}, {"tokens": 2000})
+    plain, queued = s.bound_admits(4.0), s.bound_admits(4.0, queued=True)
+    assert [n for n in nodes if plain(n)] == ["blocks", "idle"]  # its waiting count says the rest
+    assert [n for n in nodes if queued(n)] == ["tokens", "waiting", "idle"]
+    assert [n for n in nodes if s.out_of_kv(n)] == ["kv", "blocks"]
+    assert not s.bound_admits(1.0, queued=True)("waiting")  # over 1.0 x its share of 1 request
+
+
 def test_a_prompt_fits_a_backend_alone_or_within_the_prefill_budget_beside_what_waits_there() -> None:
     """An engine packs the prefills waiting for it into one step and answers none of them before
     the step ends: beside prefill already waiting, a request has room only within the budget."""

@@ -277,6 +277,39 @@ def test_a_request_goes_where_its_first_byte_is_expected_first_unless_its_sessio
     assert run(scenario(0.2, "bound")) == ("stayed", Reason.SESSION)
 
 
+def test_a_session_waits_behind_its_backends_queue_when_that_is_sooner_than_prefilling_elsewhere() -> None:
+    """Turn 12 of a conversation whose backend holds turn 11, with a prefill queued there past the
+    saturation budget: the policy rebinds a session off a saturated backend, where the other would
+    prefill the whole prompt again. Both fits alike, the held prompt behind that queue is expected
+    first, so the session stays (kept, not rebound; route ``ttft``). A backend out of KV cache is
+    left: no figure sees the wait for free blocks. (Saturated backends were never compared, and the
+    session moved in both cases.)"""
+    from kvgate.policies import Reason
+
+    from tests.cores import core
+
+    async def scenario(home_kv: float) -> tuple[bool, SessionAction, Reason]:
+        sc = core(n=2, routing={"saturation_prefill_tokens": 512})
+        first = await sc.service.route(features(7, 11, session="chat"), "d0")
+        home = first.candidates[0].id
+        sc.service.report([Outcome.end("d0", home, 200, True, 0.1, 0.2)])
+        for b in ("b0", "b1"):
+            for work in (500, 1_000, 2_000, 4_000, 8_000):
+                sc.service.first_byte.learn(b, work, 0.01 + work / 20_000)
+        sc.registry.ledger.start("q0", home, 800, time.monotonic())  # saturated by its queue
+        sc.registry.scrape_ok(home, Scraped(1, 0, home_kv, None, None, time.monotonic()))
+        sc.registry.changed()
+        again = await sc.service.route(features(7, 12, session="chat"), "d1")
+        for did, b in (("d1", again.candidates[0].id), ("q0", home)):
+            sc.service.report([Outcome.end(did, b, 200, True, 0.1, 0.2)])
+        assert sum(sc.registry.ledger.counts.values()) == 0
+        return again.candidates[0].id == home, again.decision.session, again.decision.reason
+
+    assert run(scenario(0.5)) == (True, SessionAction.KEEP, Reason.TTFT)
+    stayed, session, _ = run(scenario(0.97))
+    assert not stayed and session is SessionAction.REBIND
+
+
 def test_a_burst_is_not_all_sent_to_a_backend_whose_fit_expects_it_sooner() -> None:
     """Both fits saw prompts whose first byte did not follow their size (0.03 s on b0 and 0.2 s on
     b1, learned while a neighbour restarted, say, with a slope of 10 ns per token), so neither

@@ -273,6 +273,11 @@ class Planner:
         """The kvgate policy's plan, its pick given way to the backend expected first (``ttft_margin``)
         among those not saturated and within the holders' bound (``holder_load_factor``: the
         expectation already counts the prefill queued there; the bound still stops a hot spot). A
+        backend holding a deeper-than-shared prefix of the prompt stays in the comparison when it is
+        saturated by its queue alone (not ``Snapshot.out_of_kv``): its figure counts that queue, and
+        leaving it costs the held prefix's prefill elsewhere (the policy rebinds a session off a
+        saturated backend; with the gateway queue's one waiting request a backend is saturated
+        whenever it queues). A session moved back where it is bound stays bound (no rebind). A
         backend whose fit has no cost per token worth the name (``FirstByteBudget.sees_queue``) is
         expected as soon behind any queue, so a move there keeps the bound the policy gives it
         (``placement_admits``): twelve requests at once all went to such a backend on two real vLLM
@@ -291,14 +296,22 @@ class Planner:
             if roomy:
                 best = min(roomy, key=lambda n: figures.get(n, (math.inf,))[0])  # unknown: last
                 return dataclasses.replace(plan, decision=to_front(plan.decision, best, Reason.TTFT))
-        holders = snap.bound_admits(max(lim.load_factor, lim.holder_load_factor))
+        c = max(lim.load_factor, lim.holder_load_factor)
+        holders, queued = snap.bound_admits(c), snap.bound_admits(c, queued=True)
         own_bound = placement_admits(plan.req, snap)
+        req = plan.req
+        held = {n for n, d in req.prefix_depth.items() if d > req.shared_depth}
 
         def admits(n: str) -> bool:
-            return holders(n) if self.first_byte.sees_queue(n) else own_bound(n)
+            if not self.first_byte.sees_queue(n):
+                return own_bound(n)
+            return queued(n) if n in held else holders(n)
 
-        now = {n: e[0] for n, e in figures.items() if n == first or (admits(n) and not snap.saturated(n))}
-        return dataclasses.replace(plan, decision=fastest(plan.decision, now, margin))
+        now = {n: e[0] for n, e in figures.items() if n == first or admits(n)}
+        decision = fastest(plan.decision, now, margin)
+        if decision.session is SessionAction.REBIND and decision.candidates[0] == req.bound:
+            decision = dataclasses.replace(decision, session=SessionAction.KEEP, rebind_cause=None)
+        return dataclasses.replace(plan, decision=decision)
 
     def against(
         self, plan: Plan, objective: Objective, waited: float, sheddable: bool, can_wait: bool

@@ -145,9 +145,19 @@ class Snapshot:
         )
         return clear >= min(reserve, len(self.nodes) - 1)
 
-    def bound_admits(self, c: float | Callable[[str], float] | None = None) -> Callable[[str], bool]:
+    def out_of_kv(self, node: str) -> bool:
+        """Full in a way no count of queued work can see: KV cache at the saturation mark, or
+        requests waiting there for free blocks (a request sent there waits for some to free)."""
+        load = self.nodes[node].load
+        return load.known and (load.kv_usage >= self.limits.saturation_kv or load.kv_short)
+
+    def bound_admits(
+        self, c: float | Callable[[str], float] | None = None, queued: bool = False
+    ) -> Callable[[str], bool]:
         """Bounded-load test: a node may take one more request while under c x its fair share
-        (``routing.load_factor`` unless given; a function: each node's own c)."""
+        (``routing.load_factor`` unless given; a function: each node's own c) and not saturated;
+        ``queued``: saturated by its queue is no bar, only ``out_of_kv`` is (for a placement whose
+        expected first byte counts the queue)."""
         total = sum(self.requests(n) for n in self.nodes)
         weights = self.total_weight
         factor = self.limits.load_factor if c is None else c
@@ -156,7 +166,9 @@ class Snapshot:
             v = self.nodes[node]
             c = factor(node) if callable(factor) else factor
             cap = math.ceil(c * (total + 1) * v.weight / weights)
-            return self.requests(node) + 1 <= cap and not self.saturated(node)
+            if self.requests(node) + 1 > cap:
+                return False
+            return not self.out_of_kv(node) if queued else not self.saturated(node)
 
         return admits
 
