@@ -282,14 +282,16 @@ def test_a_session_waits_behind_its_backends_queue_when_that_is_sooner_than_pref
     saturation budget: the policy rebinds a session off a saturated backend, where the other would
     prefill the whole prompt again. Both fits alike, the held prompt behind that queue is expected
     first, so the session stays (kept, not rebound; route ``ttft``). A backend out of KV cache is
-    left: no figure sees the wait for free blocks. (Saturated backends were never compared, and the
-    session moved in both cases.)"""
+    left: no figure sees the wait for free blocks. So is a queue under the fair order, where it may
+    be a flood the order keeps the other tenants clear of. (Saturated backends were never compared,
+    and the session moved in every case.)"""
     from kvgate.policies import Reason
 
     from tests.cores import core
 
-    async def scenario(home_kv: float) -> tuple[bool, SessionAction, Reason]:
-        sc = core(n=2, routing={"saturation_prefill_tokens": 512})
+    async def scenario(home_kv: float, order: str = "") -> tuple[bool, SessionAction, Reason]:
+        queue = {"enabled": True, "order": order} if order else {}
+        sc = core(n=2, routing={"saturation_prefill_tokens": 512}, queue=queue)
         first = await sc.service.route(features(7, 11, session="chat"), "d0")
         home = first.candidates[0].id
         sc.service.report([Outcome.end("d0", home, 200, True, 0.1, 0.2)])
@@ -306,8 +308,10 @@ def test_a_session_waits_behind_its_backends_queue_when_that_is_sooner_than_pref
         return again.candidates[0].id == home, again.decision.session, again.decision.reason
 
     assert run(scenario(0.5)) == (True, SessionAction.KEEP, Reason.TTFT)
-    stayed, session, _ = run(scenario(0.97))
-    assert not stayed and session is SessionAction.REBIND
+    assert run(scenario(0.5, "shortest")) == (True, SessionAction.KEEP, Reason.TTFT)
+    for kv, order in ((0.97, ""), (0.5, "fair")):
+        stayed, session, _ = run(scenario(kv, order))
+        assert not stayed and session is SessionAction.REBIND, (kv, order)
 
 
 def test_a_burst_is_not_all_sent_to_a_backend_whose_fit_expects_it_sooner() -> None:
