@@ -181,6 +181,11 @@ class Request:
     prefix_depth: Mapping[str, int] = field(default_factory=dict)  # prefix-index matches
     shared_depth: int = 0  # leading chunks common to many requests (a system prompt)
 
+    def holders(self) -> dict[str, int]:
+        """The nodes holding more of this prompt than the part many requests share, with their
+        depth: only that part says where *this* conversation's cache sits."""
+        return {n: d for n, d in self.prefix_depth.items() if d > self.shared_depth}
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -255,8 +260,7 @@ def consistent_hash(req: Request, snap: Snapshot, limit: int) -> Decision:
 
 def _best_prefix(req: Request, snap: Snapshot, admits: Callable[[str], bool]) -> list[str]:
     """Under-bound nodes holding the deepest prefix, unless every node holds that depth."""
-    # Only depth beyond the widely shared part says where *this* conversation's cache sits.
-    depths = {n: d for n, d in req.prefix_depth.items() if n in snap.nodes and d > req.shared_depth}
+    depths = {n: d for n, d in req.holders().items() if n in snap.nodes}
     if not depths:
         return []
     best = max(depths.values())
