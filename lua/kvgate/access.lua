@@ -170,14 +170,30 @@ local function decide(id, f)
     return nil, message, decision and "error" or failure_reason(message or ""), true
 end
 
+-- The body field that puts the request in `class` for vLLM's scheduler (forward_priority), or nil
+-- when the body says so already (no field is class 0). The class replaces a priority the client
+-- wrote: where clients may not choose, theirs would otherwise reach vLLM and overtake every other
+-- request there. The field is appended, not re-encoded: a JSON object's last duplicate key wins in
+-- vLLM's parser (Python's json), as in cjson's.
+local function priority_field(body, class)
+    if not conf.forward_priority then
+        return nil
+    end
+    local own = body.priority
+    if own == class or (own == nil and class == 0) then
+        return nil
+    end
+    return { "priority", str_format("%d", class) }
+end
+
 -- The body the backend gets: the client's, with the fields the decision adds spliced in (jsontext:
 -- not re-encoded), after the prefill leg of a disaggregated request. Returns the route as it turned
 -- out and whether the gateway asked for the stream's usage.
 local function backend_body(body, raw, decision, kind)
     local added = {}
-    if decision.priority and body.priority == nil then
-        -- vLLM schedules by the body's priority: the gateway's (the key's class) goes with it.
-        added[#added + 1] = { "priority", str_format("%d", decision.priority) }
+    local class = priority_field(body, decision.priority or 0)
+    if class then
+        added[#added + 1] = class
     end
     local route = decision.route
     local generates = ngx_var.uri == "/v1/chat/completions" or ngx_var.uri == "/v1/completions"
@@ -225,9 +241,9 @@ function _M.run()
         request.new(id, kind, decision.ids, decision.addrs, route, read_s, strip_usage)
     else
         local ids, addrs = failopen.route(id, f.key, err, reason, answered)
-        local p = failopen.priority(body, raw, f, key_name)
-        if p then
-            ngx.req.set_body_data(jsontext.with_fields(raw, { { "priority", str_format("%d", p) } }))
+        local class = raw and priority_field(body, failopen.priority(f, key_name))
+        if class then
+            ngx.req.set_body_data(jsontext.with_fields(raw, { class }))
         end
         request.new(nil, kind, ids, addrs, "fail-open", read_timeouts(stream, f.max_tokens, #addrs, nil))
     end

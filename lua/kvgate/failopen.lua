@@ -87,18 +87,14 @@ function _M.route(id, key, err, reason, answered)
     return ids, addrs
 end
 
--- The priority a fail-open request's body gets for vLLM's scheduler, or nil: what the sidecar would
--- have forwarded (Admission.priority_of there, and decision_socket's rule), the client's where
--- clients may set it, else its key's class; nothing for class 0 or a body that names its own.
-function _M.priority(body, raw, f, key_name)
-    if not conf.forward_priority or body.priority ~= nil or not raw then
-        return nil
-    end
+-- The class a fail-open request runs in: what the sidecar would have decided (Admission.priority_of
+-- there), the client's where clients may set it, else its key's class.
+function _M.priority(f, key_name)
     local p = conf.client_priority and f.priority or nil
     if p == nil then
         p = auth.priority(key_name)
     end
-    return p ~= 0 and p or nil
+    return p
 end
 
 local function refresh(premature)

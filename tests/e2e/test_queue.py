@@ -136,9 +136,9 @@ def test_with_the_sidecar_gone_the_priority_is_still_forwarded(
     stack: Supervisor, client_priority: bool
 ) -> None:
     """Nginx routing on its own (the sidecar killed) writes the priority the sidecar would have: the
-    client's X-Priority where clients may set it, else its key's class; none for class 0 or a body
-    that names its own. (The simulated backends refuse a non-zero priority by name, which shows the
-    value that arrived.)"""
+    client's where clients may set it, else its key's class, over a priority the body names; none for
+    class 0. (The simulated backends refuse a non-zero priority by name, which shows the value that
+    arrived.)"""
     classed, plain = "sk-priority-class-0001", "sk-default-class-00002"
     keys = {
         "keys": [
@@ -159,10 +159,18 @@ def test_with_the_sidecar_gone_the_priority_is_still_forwarded(
     status, answer = http_json("POST", chat, body, bearer(classed))
     assert status == 400 and "Got priority 2" in answer["error"]["message"], answer
     status, answer = http_json("POST", chat, {**body, "priority": 0}, bearer(classed))
-    assert status == 200, answer
+    if client_priority:
+        assert status == 200, answer  # the client chose class 0
+    else:
+        assert status == 400 and "Got priority 2" in answer["error"]["message"], answer
+    status, answer = http_json("POST", chat, {**body, "priority": 3}, bearer(plain))
+    if client_priority:
+        assert status == 400 and "Got priority 3" in answer["error"]["message"], answer
+    else:
+        assert status == 200, answer  # its key's class 0 replaced the 3 it wrote
     text = http_json("GET", gw.url + "/kvgate/metrics", None, bearer(plain))[1]
     fell_open = re.findall(r'^kvgate_gateway_failopen_total\{reason="(\w+)"\} (\S+)$', text, re.M)
-    assert sum(float(n) for _, n in fell_open) == 3, fell_open
+    assert sum(float(n) for _, n in fell_open) == 4, fell_open
 
 
 def bearer(key: str) -> dict[str, str]:

@@ -116,7 +116,13 @@ def test_the_clients_priority_goes_to_the_sidecar_and_bad_ones_are_refused(phase
         assert status == 400 and json.loads(body)["error"]["param"] == "priority", bad
 
 
-def test_the_decided_priority_is_written_into_the_body_the_backend_gets(stack: Supervisor) -> None:
+@pytest.mark.parametrize("forward", [True, False])
+def test_the_decided_priority_is_written_into_the_body_the_backend_gets(
+    stack: Supervisor, forward: bool
+) -> None:
+    """forward_priority: vLLM schedules by the body's priority, so the class the sidecar decided goes
+    there, over one the client wrote (the sidecar decided with it where clients may choose; where they
+    may not, theirs would overtake every request inside vLLM). Without it the body is the client's."""
     port = free_port()
     echo = f"""server {{ listen 127.0.0.1:{port}; location / {{ content_by_lua_block {{
         ngx.req.read_body()
@@ -125,16 +131,25 @@ def test_the_decided_priority_is_written_into_the_body_the_backend_gets(stack: S
     }} }} }}"""
     mock = MockSidecar(stack.run_dir / "mock.sock", [("echo", f"127.0.0.1:{port}")])
     try:
-        nginx = PhaseNginx(stack, mock.path, echo, queue=True)
+        nginx = PhaseNginx(stack, mock.path, echo, queue=True, forward_priority=forward)
         # Fields a decode-and-re-encode would change: an empty list (cjson: {}), a long integer.
         fragile = {**CHAT, "stop": [], "logit_bias": {}, "seed": 12345678901234567}
-        for asked, decided, backend_gets in ((None, 2, 2), (None, None, None), (5, 2, 5)):
+        # (the client's priority, the decided class (none: 0), what the backend reads with it, without)
+        cases = (
+            (None, 2, 2, None),
+            (None, None, None, None),
+            (5, 2, 2, 5),
+            (5, None, 0, 5),
+            (-3, -3, -3, -3),
+        )
+        for asked, decided, forwarded, kept in cases:
             reply: dict[str, Any] = {"c": [["echo", f"127.0.0.1:{port}"]], "r": "ring"}
             if decided is not None:
                 reply["pr"] = decided
             mock.answer = lambda msg, reply=reply: {"i": msg["i"], **reply}  # type: ignore[misc]
             body = fragile if asked is None else {**fragile, "priority": asked}
             status, got = http_json("POST", nginx.url + "/v1/chat/completions", body)
+            backend_gets = forwarded if forward else kept
             assert status == 200 and got.get("priority") == backend_gets, (asked, decided, got)
             assert {k: v for k, v in got.items() if k != "priority"} == {
                 k: v for k, v in body.items() if k != "priority"

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
+from kvgate.config import hash_key
 from kvgate.tools.launcher import Supervisor
 
 from tests.conftest import wait_until
@@ -16,29 +18,41 @@ from vllm_real.fleet import Fleet, ServerSpec
 pytestmark = pytest.mark.real
 
 
-def test_a_priority_request_overtakes_the_waiting_ones(fleet: RealFleet, tokens: Tokens) -> None:
-    """One server (--scheduling-policy priority), eight long prefills queued on it, then one with
-    X-Priority: -1, which kvgate writes into the body (queue.forward_priority): it finishes before
-    most of those sent earlier (running requests are not preempted; waiting ones are passed)."""
+def test_a_priority_class_overtakes_the_waiting_ones_and_a_clients_own_priority_does_not(
+    fleet: RealFleet, tokens: Tokens
+) -> None:
+    """One server (--scheduling-policy priority), eight long prefills queued on it, then two more:
+    one whose body says priority -1 under a key of class 0, and one under a key of class -1, which
+    kvgate writes into the body (queue.forward_priority). Clients may not choose their class here
+    (no queue.client_priority), so the first one's -1 is overwritten by its class: it waits its
+    turn. The second finishes before most of those sent earlier (running requests are not
+    preempted; waiting ones are passed). The class is appended after the client's field, so this
+    also holds vLLM's JSON parser to its last duplicate key winning."""
     # A decision answered later than its budget (the engines saturate the host's cores) falls open
-    # to Nginx's own ring, which forwards the same priority (failopen.priority): either way vLLM
-    # sees it. The route says which way it went.
-    gw = Gateway(
-        fleet.sup, "prio", ids(fleet, [0]), queue={"client_priority": True, "forward_priority": True}
-    )
+    # to Nginx's own ring, which writes the same class (failopen.priority): either way vLLM sees
+    # it. The route says which way it went.
+    keys = {"vip": "sk-real-vip-class-000001", "plain": "sk-real-plain-class-0001"}
+    auth = {
+        "keys": [
+            {"name": "vip", "sha256": hash_key(keys["vip"]), "priority": -1},
+            {"name": "plain", "sha256": hash_key(keys["plain"])},
+        ]
+    }
+    gw = Gateway(fleet.sup, "prio", ids(fleet, [0]), queue={"forward_priority": True}, auth=auth)
     try:
         finished: list[tuple[float, str]] = []
         routes: dict[str, str] = {}
         lock = threading.Lock()
 
-        def send(name: str, seed: int, priority: int | None) -> None:
-            headers = {"X-Priority": str(priority)} if priority is not None else {}
-            body = {
+        def send(name: str, seed: int, key: str, own: int | None = None) -> None:
+            body: dict[str, Any] = {
                 "model": MODEL,
                 "max_tokens": 1,
                 "messages": [{"role": "user", "content": tokens.text(6000, seed)}],
             }
-            status, got, reply = gw.chat(body, headers)
+            if own is not None:
+                body["priority"] = own
+            status, got, reply = gw.chat(body, {"Authorization": f"Bearer {keys[key]}"})
             assert status == 200, reply
             with lock:
                 finished.append((time.monotonic(), name))
@@ -46,18 +60,22 @@ def test_a_priority_request_overtakes_the_waiting_ones(fleet: RealFleet, tokens:
 
         # Eight, where three fill its KV cache: on a fast run six were served before a /metrics poll
         # (the API server busy with their bodies) saw three waiting.
-        threads = [threading.Thread(target=send, args=(f"fcfs-{i}", 500 + i, None)) for i in range(8)]
+        threads = [threading.Thread(target=send, args=(f"fcfs-{i}", 500 + i, "plain")) for i in range(8)]
         for t in threads:
             t.start()
             time.sleep(0.05)
         wait_until(lambda: fleet.metric(0, "vllm:num_requests_waiting") >= 3, timeout=10)
-        vip = threading.Thread(target=send, args=("vip", 600, -1))
+        cheat = threading.Thread(target=send, args=("cheat", 601, "plain", -1))
+        cheat.start()
+        time.sleep(0.05)
+        vip = threading.Thread(target=send, args=("vip", 600, "vip"))
         vip.start()
-        for t in [*threads, vip]:
+        for t in [*threads, cheat, vip]:
             t.join(120)
         order = [name for _, name in sorted(finished)]
         print(order, "routes:", sorted(set(routes.values())), "vip's:", routes.get("vip"))
         assert order.index("vip") <= 4, order  # ahead of at least four sent before it
+        assert order.index("cheat") >= 7, order  # behind all but one sent before it
     finally:
         gw.stop()
 

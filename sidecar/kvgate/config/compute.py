@@ -101,8 +101,8 @@ class QueueConfig:
     client_priority: bool = flag(False, "honour priorities clients send (body priority, X-Priority)")
     forward_priority: bool = flag(
         False,
-        "write the request's priority into its body for vLLM (backends run --scheduling-policy "
-        "priority; others refuse a non-zero priority)",
+        "write the request's priority into its body for vLLM, over one the client wrote (backends "
+        "run --scheduling-policy priority; others refuse a non-zero priority)",
     )
     heartbeat_s: float = millis(
         500, 50, 10_000, "a waiting request's connection hears from the sidecar this often"
