@@ -191,7 +191,8 @@ end
 -- out and whether the gateway asked for the stream's usage.
 local function backend_body(body, raw, decision, kind)
     local added = {}
-    local class = priority_field(body, decision.priority or 0)
+    -- A body the gateway does not read (a multipart upload, a GET) goes as it came.
+    local class = raw and priority_field(body, decision.priority or 0)
     if class then
         added[#added + 1] = class
     end
