@@ -13,6 +13,7 @@ local failopen = require "kvgate.failopen"
 local features = require "kvgate.features"
 local jsontext = require "kvgate.jsontext"
 local outbox   = require "kvgate.outbox"
+local priority = require "kvgate.priority"
 local protocol = require "kvgate.protocol"
 local request  = require "kvgate.request"
 local sidecar  = require "kvgate.sidecar"
@@ -170,29 +171,13 @@ local function decide(id, f)
     return nil, message, decision and "error" or failure_reason(message or ""), true
 end
 
--- The body field that puts the request in `class` for vLLM's scheduler (forward_priority), or nil
--- when the body says so already (no field is class 0). The class replaces a priority the client
--- wrote: where clients may not choose, theirs would otherwise reach vLLM and overtake every other
--- request there. The field is appended, not re-encoded: a JSON object's last duplicate key wins in
--- vLLM's parser (Python's json), as in cjson's.
-local function priority_field(body, class)
-    if not conf.forward_priority then
-        return nil
-    end
-    local own = body.priority
-    if own == class or (own == nil and class == 0) then
-        return nil
-    end
-    return { "priority", str_format("%d", class) }
-end
-
 -- The body the backend gets: the client's, with the fields the decision adds spliced in (jsontext:
 -- not re-encoded), after the prefill leg of a disaggregated request. Returns the route as it turned
 -- out and whether the gateway asked for the stream's usage.
 local function backend_body(body, raw, decision, kind)
     local added = {}
     -- A body the gateway does not read (a multipart upload, a GET) goes as it came.
-    local class = raw and priority_field(body, decision.priority or 0)
+    local class = raw and priority.field(body, decision.priority or 0)
     if class then
         added[#added + 1] = class
     end
@@ -242,7 +227,7 @@ function _M.run()
         request.new(id, kind, decision.ids, decision.addrs, route, read_s, strip_usage)
     else
         local ids, addrs = failopen.route(id, f.key, err, reason, answered)
-        local class = raw and priority_field(body, failopen.priority(f, key_name))
+        local class = raw and priority.field(body, priority.fail_open(f, key_name))
         if class then
             ngx.req.set_body_data(jsontext.with_fields(raw, { class }))
         end

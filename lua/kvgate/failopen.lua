@@ -1,10 +1,9 @@
 -- Fail-open routing: when the sidecar errors or times out, Nginx routes on its own over the last
--- healthy peers the sidecar gave it, with the priority the sidecar would have forwarded. One worker
+-- healthy peers the sidecar gave it (the class it writes: kvgate.priority). One worker
 -- refreshes the list every second into the shared dict (peers:list, peers:version, under a dict:add
 -- lock); each worker decodes it once per version.
 
 local agreement = require "kvgate.agreement"
-local auth      = require "kvgate.auth"
 local cjson     = require "cjson.safe"
 local conf      = require "kvgate.conf"
 local errors    = require "kvgate.errors"
@@ -85,16 +84,6 @@ function _M.route(id, key, err, reason, answered)
         return errors.send(503, "No healthy backend is available.")
     end
     return ids, addrs
-end
-
--- The class a fail-open request runs in: what the sidecar would have decided (Admission.priority_of
--- there), the client's where clients may set it, else its key's class.
-function _M.priority(f, key_name)
-    local p = conf.client_priority and f.priority or nil
-    if p == nil then
-        p = auth.priority(key_name)
-    end
-    return p
 end
 
 local function refresh(premature)

@@ -29,7 +29,7 @@ def test_a_priority_class_overtakes_the_waiting_ones_and_a_clients_own_priority_
     preempted; waiting ones are passed). The class is appended after the client's field, so this
     also holds vLLM's JSON parser to its last duplicate key winning."""
     # A decision answered later than its budget (the engines saturate the host's cores) falls open
-    # to Nginx's own ring, which writes the same class (failopen.priority): either way vLLM sees
+    # to Nginx's own ring, which writes the same class (kvgate.priority): either way vLLM sees
     # it. The route says which way it went.
     keys = {"vip": "sk-real-vip-class-000001", "plain": "sk-real-plain-class-0001"}
     auth = {
