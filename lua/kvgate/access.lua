@@ -176,8 +176,7 @@ end
 -- out and whether the gateway asked for the stream's usage.
 local function backend_body(body, raw, decision, kind)
     local added = {}
-    -- A body the gateway does not read (a multipart upload, a GET) goes as it came.
-    local class = raw and priority.field(body, decision.priority or 0)
+    local class = priority.field(body, raw, decision.priority or 0)
     if class then
         added[#added + 1] = class
     end
@@ -227,7 +226,7 @@ function _M.run()
         request.new(id, kind, decision.ids, decision.addrs, route, read_s, strip_usage)
     else
         local ids, addrs = failopen.route(id, f.key, err, reason, answered)
-        local class = raw and priority.field(body, priority.fail_open(f, key_name))
+        local class = priority.field(body, raw, priority.fail_open(f, key_name))
         if class then
             ngx.req.set_body_data(jsontext.with_fields(raw, { class }))
         end

@@ -18,13 +18,14 @@ function _M.fail_open(f, key_name)
     return p
 end
 
--- The body field that puts the request in `class` for vLLM's scheduler, or nil when forwarding is off
--- or the body says so already (no field is class 0). The class replaces a priority the client wrote:
+-- The body field that puts the request in `class` for vLLM's scheduler, or nil when forwarding is off,
+-- the gateway did not read the body (`raw` nil: a multipart upload, a GET; it goes as it came) or the
+-- body says so already (no field is class 0). The class replaces a priority the client wrote:
 -- where clients may not choose, theirs would otherwise reach vLLM and overtake every other request
 -- there. The field is appended, not re-encoded: a JSON object's last duplicate key wins in vLLM's
 -- parser (Python's json), as in cjson's.
-function _M.field(body, class)
-    if not conf.forward_priority then
+function _M.field(body, raw, class)
+    if not conf.forward_priority or not raw then
         return nil
     end
     local own = body.priority

@@ -304,7 +304,7 @@ class Planner:
         # clear of: moved behind it, the quiet tenant's p90 rose from 1.14 to 1.22x alone
         # (kvgate-bench fairness), so there no saturated holder is compared.
         fair = q.enabled and q.order is DispatchOrder.FAIR
-        held = set() if fair else set(req.holders())
+        held = {} if fair else req.holders()
 
         def admits(n: str) -> bool:
             if not self.first_byte.sees_queue(n):
