@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,7 @@ class Gateway:
         sidecar reads it, and Nginx's settings are rendered from it (``NginxSettings.from_config``)."""
         self.stack = stack
         self.name = name
+        self.sim_port, self.n = sim_port, n
         run_dir = stack.run_dir / name
         run_dir.mkdir(parents=True, exist_ok=True)
         socket = stack.run_dir / f"{name}.sock"
@@ -165,6 +167,16 @@ class Gateway:
 
     def start_nginx(self) -> None:
         self.replica.start_nginx()
+
+
+def priorities(gw: Gateway) -> Counter[int]:
+    """The chat and completion requests the gateway's simulated backends got, by the priority their
+    bodies carried (none: 0), summed over the backends (``/sim/info``)."""
+    out: Counter[int] = Counter()
+    for port in range(gw.sim_port, gw.sim_port + gw.n):
+        info = http_json("GET", f"http://127.0.0.1:{port}/sim/info")[1]
+        out.update({int(p): n for p, n in info["priorities"].items()})
+    return out
 
 
 def inflight(gw: Gateway) -> tuple[int, int]:

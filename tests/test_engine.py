@@ -104,14 +104,17 @@ def test_preemption_under_block_pressure_recomputes_and_is_counted() -> None:
     assert sum(r.num_preemptions for r in reqs) == e.counters.preemptions
 
 
-def test_priority_policy_serves_lower_priority_value_first() -> None:
-    e = engine(max_num_seqs=1, policy=SchedulingPolicy.PRIORITY)
-    blocker = Request("blocker", prompt(1, 20), 20, 0.0, ignore_eos=True)
-    low = Request("low", prompt(2, 20), 2, 0.001, ignore_eos=True, priority=5)
-    high = Request("high", prompt(3, 20), 2, 0.002, ignore_eos=True, priority=-1)
-    run_to_completion(e, [blocker, low, high])
-    assert high.first_token_time is not None and low.first_token_time is not None
-    assert high.first_token_time < low.first_token_time
+def test_priority_policy_serves_lower_priority_value_first_and_fcfs_ignores_it() -> None:
+    """Under --scheduling-policy priority the lower value is served first among the waiting; vLLM's
+    default FCFS takes the field and serves in arrival order."""
+    for policy, first in ((SchedulingPolicy.PRIORITY, "high"), (SchedulingPolicy.FCFS, "low")):
+        e = engine(max_num_seqs=1, policy=policy)
+        blocker = Request("blocker", prompt(1, 20), 20, 0.0, ignore_eos=True)
+        low = Request("low", prompt(2, 20), 2, 0.001, ignore_eos=True, priority=5)
+        high = Request("high", prompt(3, 20), 2, 0.002, ignore_eos=True, priority=-1)
+        run_to_completion(e, [blocker, low, high])
+        assert high.first_token_time is not None and low.first_token_time is not None
+        assert min((high, low), key=lambda r: r.first_token_time or 0).request_id == first, policy
 
 
 def test_priority_policy_preempts_the_lowest_priority_when_blocks_run_out() -> None:

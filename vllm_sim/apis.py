@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_sim import tokenizer
-from vllm_sim.protocol import ApiError, check_model
+from vllm_sim.protocol import ApiError, check_model, require_object
 
 EMBEDDING_DIM = 16
 STORED_RESPONSES = 10_000  # vLLM keeps every stored response in memory; the simulator bounds it
@@ -98,8 +98,7 @@ def _input_messages(value: Any) -> list[dict[str, str]]:
 
 
 def parse_response_request(body: Any, served: str, store: ResponseStore) -> ResponseRequest:
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object.")
+    require_object(body)
     model = _model(body, served)
     previous = body.get("previous_response_id")
     messages: list[dict[str, str]] = []
@@ -194,8 +193,7 @@ def _texts(value: Any, name: str) -> list[str]:
 
 
 def parse_embedding_request(body: Any, served: str) -> tuple[str, list[str]]:
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object.")
+    require_object(body)
     model = _model(body, served)
     if "messages" in body:
         return model, [tokenizer.render_chat(body["messages"], False)]
@@ -219,8 +217,7 @@ def _similarity(a: str, b: str) -> float:
 
 def parse_score_request(body: Any, served: str) -> tuple[str, list[tuple[str, str]]]:
     """``text_1`` against each of ``text_2`` (a string or list; one text_1 for all, or pairwise)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object.")
+    require_object(body)
     model = _model(body, served)
     left, right = _texts(body.get("text_1"), "text_1"), _texts(body.get("text_2"), "text_2")
     if len(left) == 1:
@@ -244,8 +241,7 @@ def score_body(model: str, pairs: Sequence[tuple[str, str]], prompt_tokens: int)
 
 
 def parse_rerank_request(body: Any, served: str) -> tuple[str, str, list[str], int | None]:
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object.")
+    require_object(body)
     model = _model(body, served)
     query = body.get("query")
     if not isinstance(query, str):

@@ -5,6 +5,7 @@ facts and its fault injection. ``vllm_sim.server.Instance`` adds the routes that
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import random
@@ -84,6 +85,9 @@ class ServerBase:
         self._seen: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
         self.connections = 0
         self.in_frontend = 0  # completion requests accepted and not yet in the engine (tokenizing)
+        # Chat and completion requests by the priority their body carried (GET /sim/info): what a
+        # gateway forwarded, which an FCFS server takes and ignores as vLLM does.
+        self.priorities: collections.Counter[int] = collections.Counter()
         self.responses_store = apis.ResponseStore()
         self.engine_id = uuid.uuid4().hex  # names this instance's KV blocks to decoders
         self.address = ("127.0.0.1", 0)
@@ -156,7 +160,8 @@ class ServerBase:
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise protocol.ApiError(400, f"JSON decode error: {exc}") from None
+            at = exc.pos if isinstance(exc, json.JSONDecodeError) else exc.start
+            raise protocol.ApiError.invalid(at, "json_invalid", "JSON decode error", {}) from None
 
     async def models(self, request: web.Request) -> web.Response:
         m = self.config.model
@@ -214,8 +219,7 @@ class ServerBase:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._read_json(request)
-        if not isinstance(body, dict):
-            raise protocol.ApiError(400, "The request body must be a JSON object.")
+        protocol.require_object(body)
         if "messages" in body:
             text = tokenizer.render_chat(body["messages"], bool(body.get("add_generation_prompt", True)))
         elif isinstance(body.get("prompt"), str):
@@ -244,7 +248,8 @@ class ServerBase:
 
     async def info(self, request: web.Request) -> web.Response:
         """Simulator-only facts for tests and benchmarks: the TCP connections clients opened so far,
-        the requests in the frontend (accepted, not yet in the engine) and the prefill backlog."""
+        the requests in the frontend (accepted, not yet in the engine), the prefill backlog and the
+        chat and completion requests by the priority their body carried."""
         running, waiting = self.engine.prefill_backlog()
         in_step = self.loop.step_prefill_tokens if self.loop is not None else 0
         return json_response(
@@ -257,6 +262,7 @@ class ServerBase:
                 # the running requests (the step in progress included), and of the waiting ones
                 "prefill_backlog_running": running + in_step,
                 "prefill_backlog_waiting": waiting,
+                "priorities": {str(p): n for p, n in sorted(self.priorities.items())},
             }
         )
 

@@ -71,15 +71,13 @@ class OtherRoutes(ServerBase):
 
     async def render_chat(self, request: web.Request) -> web.Response:
         body = await self._read_json(request)
-        parsed = protocol.parse_request(
-            "chat", body, self.config.model, self.config.engine.max_model_len, True
-        )
+        parsed = protocol.parse_request("chat", body, self.config.model, self.config.engine.max_model_len)
         return json_response(apis.render_body(parsed.model, parsed.prompt_ids, parsed.request_id))
 
     async def render_completion(self, request: web.Request) -> web.Response:
         body = await self._read_json(request)
         parsed = protocol.parse_request(
-            "completion", body, self.config.model, self.config.engine.max_model_len, True
+            "completion", body, self.config.model, self.config.engine.max_model_len
         )
         return json_response(apis.render_body(parsed.model, parsed.prompt_ids, parsed.request_id))
 

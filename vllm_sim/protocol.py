@@ -1,4 +1,5 @@
-"""OpenAI request validation and response shapes as vLLM 0.11 produces them (contract §2).
+"""OpenAI request validation and response shapes as vLLM produces them (contract §2; its errors as
+vLLM 0.32 answers them, measured on a real server: docs/real-vllm.md).
 
 Pure functions: a parsed JSON body in, a ``Parsed`` request or an ``ApiError`` out; token events in,
 response dicts out. The HTTP layer (``vllm_sim.server``) only moves bytes.
@@ -31,21 +32,36 @@ class ApiError(Exception):
         502: "BadGatewayError",
     }
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.type = type_ or self.TYPES.get(status, "Error")
+
+    @classmethod
+    def invalid(cls, field: str | int | None, kind: str, msg: str, value: Any) -> ApiError:
+        """A body the API's schema refuses (pydantic, before vLLM's own checks): vLLM 0.32 answers 400
+        of type "Bad Request" (the status's phrase, not ``BadRequestError``), its param the field's
+        location in the body."""
+        loc = "body" if field is None else f"body.{field}"
+        shown = f"<{type(value).__name__} of {len(value)} items>" if isinstance(value, list | dict) else value
+        detail = {"type": kind, "loc": loc, "msg": msg, "input": str(shown)}
+        return cls(400, f"1 validation error:\n  {detail}", loc, "Bad Request")
 
     def body(self) -> dict[str, Any]:
         return {
-            "error": {
-                "message": self.message,
-                "type": self.TYPES.get(self.status, "Error"),
-                "param": self.param,
-                "code": self.status,
-            }
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
         }
+
+
+NOT_AN_OBJECT = "Input should be a valid dictionary or object to extract fields from"
+
+
+def require_object(body: Any, field: str | None = None) -> None:
+    """vLLM's answer to a body (or a field) that is not a JSON object."""
+    if not isinstance(body, dict):
+        raise ApiError.invalid(field, "model_attributes_type", NOT_AN_OBJECT, body)
 
 
 def check_model(model: object, served: str) -> None:
@@ -110,13 +126,38 @@ def parse_kv_transfer(raw: Any) -> KvTransfer | None:
 
 
 def _int_field(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
+    """An integer field as vLLM's schema reads it (pydantic's lax mode: a whole float, a boolean or a
+    string holding a whole number count too), then vLLM's own lower bound."""
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"{name} must be an integer", name)
+    if isinstance(value, float) and not value.is_integer():
+        raise ApiError.invalid(
+            name,
+            "int_from_float",
+            "Input should be a valid integer, got a number with a fractional part",
+            value,
+        )
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+            if not number.is_integer():
+                raise ValueError(value)
+        except ValueError:
+            raise ApiError.invalid(
+                name,
+                "int_parsing",
+                "Input should be a valid integer, unable to parse string as an integer",
+                value,
+            ) from None
+        value = number
+    if not isinstance(value, int | float):
+        raise ApiError.invalid(name, "int_type", "Input should be a valid integer", value)
+    value = int(value)
     if value < minimum:
-        raise ApiError(400, f"{name} must be at least {minimum}, got {value}.", name)
+        raise ApiError(
+            400, f"{name} must be at least {minimum}, got {value}. (parameter={name}, value={value})", name
+        )
     return value
 
 
@@ -130,16 +171,15 @@ def _prompt_text(prompt: Any) -> str:
     raise ApiError(400, "prompt must be a string, a list of one string, or a list of token ids", "prompt")
 
 
-def parse_request(
-    kind: str, body: Any, served_model: str, max_model_len: int, priority_enabled: bool
-) -> Parsed:
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object.")
+def parse_request(kind: str, body: Any, served_model: str, max_model_len: int) -> Parsed:
+    require_object(body)
     model = body.get("model") or served_model
     check_model(model, served_model)
     if kind == "chat":
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
+        if not isinstance(messages, list):
+            raise ApiError.invalid("messages", "list_type", "Input should be a valid list", messages)
+        if not messages:
             raise ApiError(400, "messages must be a non-empty list of messages", "messages")
         if not all(isinstance(m, dict) for m in messages):
             raise ApiError(400, "each message must be an object with role and content", "messages")
@@ -177,17 +217,24 @@ def parse_request(
     stream = bool(body.get("stream", False))
     options = body.get("stream_options")
     if options is not None:
+        require_object(options, "stream_options")
         if not stream:
-            raise ApiError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
-        if not isinstance(options, dict):
-            raise ApiError(400, "stream_options must be an object", "stream_options")
+            raise ApiError(
+                400,
+                "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+                "stream_options",
+            )
     options = options or {}
+    # vLLM 0.32 takes a priority whatever its scheduling policy; an FCFS server ignores it (older
+    # releases refused a non-zero one with 400 "Priority scheduling is not enabled").
     priority = _int_field(body, "priority", -(2**31)) or 0
-    if priority != 0 and not priority_enabled:
-        raise ApiError(400, f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
     salt = body.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise ApiError(400, "cache_salt must be a string", "cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ApiError(
+            400,
+            "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)",
+            "cache_salt",
+        )
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     rid = body.get("request_id")
     return Parsed(

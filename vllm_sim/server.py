@@ -17,7 +17,7 @@ from vllm_sim import protocol, tokenizer
 from vllm_sim.facts import error_response, json_response
 from vllm_sim.other_routes import OtherRoutes
 from vllm_sim.realtime import INTERNAL_ERROR
-from vllm_sim.request import Request, SchedulingPolicy
+from vllm_sim.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +101,8 @@ class Instance(OtherRoutes):
         await self._apply_request_faults()
         body = await self._read_json(request)
         cfg = self.config.engine
-        parsed = protocol.parse_request(
-            kind, body, self.config.model, cfg.max_model_len, cfg.policy is SchedulingPolicy.PRIORITY
-        )
+        parsed = protocol.parse_request(kind, body, self.config.model, cfg.max_model_len)
+        self.priorities[parsed.priority] += 1
         f = self.faults
         if f.fail_rate and self.rng.random() < f.fail_rate:
             raise protocol.ApiError(f.fail_status, "Injected failure")

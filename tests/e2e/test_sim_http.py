@@ -161,6 +161,22 @@ def test_repeated_prompt_reports_cached_tokens_faster_ttft_and_metrics(
     assert 0.08 < cold - warm < 0.2, (cold, warm)
 
 
+def test_an_fcfs_server_takes_a_priority_and_counts_it_by_value(sim: str) -> None:
+    """vLLM 0.32 on its default FCFS scheduler answers a request naming a priority as any other (it
+    ignores the value); /sim/info counts the requests by the priority they carried, which is how
+    the gateway's tests see what it forwarded."""
+    before = http_json("GET", sim + "/sim/info")[1]["priorities"]
+    for priority in (3, -5, 3):
+        status, body = http_json(
+            "POST", sim + "/v1/completions", {"prompt": "x", "max_tokens": 1, "priority": priority}
+        )
+        assert status == 200, body
+    assert http_json("POST", sim + "/v1/completions", {"prompt": "x", "max_tokens": 1})[0] == 200
+    after = http_json("GET", sim + "/sim/info")[1]["priorities"]
+    grew = {p: n - before.get(p, 0) for p, n in after.items() if n != before.get(p, 0)}
+    assert grew == {"3": 2, "-5": 1, "0": 1}
+
+
 def test_errors_use_vllm_envelope(sim: str) -> None:
     status, body = http_json(
         "POST",
@@ -172,8 +188,8 @@ def test_errors_use_vllm_envelope(sim: str) -> None:
     assert status == 400 and body["error"]["code"] == 400
     status, body = http_json("POST", sim + "/v1/completions", {"prompt": words(9000), "max_tokens": 1})
     assert status == 400 and "maximum context length is 8192" in body["error"]["message"]
-    status, body = http_json("POST", sim + "/v1/completions", {"prompt": "x", "priority": 3})
-    assert status == 400 and "Priority scheduling is not enabled" in body["error"]["message"]
+    status, body = http_json("POST", sim + "/v1/completions", {"prompt": "x", "priority": "x"})
+    assert status == 400 and body["error"]["param"] == "body.priority"
     status, body = http_json(
         "POST", sim + "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}
     )

@@ -56,10 +56,15 @@ def get_text(url: str, timeout: float = 10.0) -> str:
 
 
 def post(
-    url: str, body: Mapping[str, Any], headers: Mapping[str, str] | None = None, timeout: float = 120.0
+    url: str,
+    body: Mapping[str, Any] | bytes,
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
 ) -> tuple[int, dict[str, str], Any]:
+    """A JSON POST: ``body`` encoded, or bytes sent as they are (duplicate keys, say)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}, method="POST"
+        url, data, {"Content-Type": "application/json", **(headers or {})}, method="POST"
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:

@@ -1,17 +1,21 @@
-"""The compute layer on real vLLM: priorities kvgate forwards to vLLM's priority scheduler, and a
-prefill leg on one server with its decode on another through NixlConnector."""
+"""The compute layer on real vLLM: priorities kvgate forwards to vLLM's priority scheduler (and what
+an FCFS server does with one), and a prefill leg on one server with its decode on another through
+NixlConnector."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kvgate.config import hash_key
 from kvgate.tools.launcher import Supervisor
+from kvgate.tools.readiness import free_port
 
-from tests.conftest import wait_until
+from tests.conftest import http_json, wait_until
 from tests.real.conftest import BLOCKS, MODEL, Gateway, RealFleet, Tokens, get_text, ids, post
 from vllm_real.fleet import Fleet, ServerSpec
 
@@ -80,13 +84,10 @@ def test_a_priority_class_overtakes_the_waiting_ones_and_a_clients_own_priority_
         gw.stop()
 
 
-def test_disaggregated_prefill_hands_its_kv_to_the_decoder_and_the_output_is_the_colocated_one(
-    fleet: RealFleet, tokens: Tokens
-) -> None:
-    """kvgate's prefill/decode path over a NixlConnector pair of its own (CPU buffers; a producer and
-    a consumer): the prefill leg runs on the producer, the decode leg on the consumer, whose external
-    prefix-cache hits grow by the prompt's tokens, and the greedy output equals the same request
-    served whole by one server."""
+@pytest.fixture(scope="module")
+def fcfs_pair(fleet: RealFleet) -> Iterator[tuple[str, str]]:
+    """Two servers on vLLM's default FCFS scheduler, a NixlConnector producer and consumer, started
+    for this module's last tests and stopped after them (their transport keeps a core busy)."""
     pair = Fleet(Supervisor(fleet.sup.run_dir / "pd-fleet"))
     try:
         p_url, d_url = pair.start(
@@ -96,9 +97,74 @@ def test_disaggregated_prefill_hands_its_kv_to_the_decoder_and_the_output_is_the
             ],
             prefix="pd",
         )
-        disaggregated(fleet, p_url, d_url, tokens)
+        yield p_url, d_url
     finally:
         pair.sup.stop_all()
+
+
+def test_disaggregated_prefill_hands_its_kv_to_the_decoder_and_the_output_is_the_colocated_one(
+    fleet: RealFleet, fcfs_pair: tuple[str, str], tokens: Tokens
+) -> None:
+    """kvgate's prefill/decode path over a NixlConnector pair of its own (CPU buffers; a producer and
+    a consumer): the prefill leg runs on the producer, the decode leg on the consumer, whose external
+    prefix-cache hits grow by the prompt's tokens, and the greedy output equals the same request
+    served whole by one server."""
+    disaggregated(fleet, *fcfs_pair, tokens)
+
+
+def test_an_fcfs_server_takes_a_priority_and_ignores_it_and_the_simulator_answers_the_same(
+    fleet: RealFleet, fcfs_pair: tuple[str, str]
+) -> None:
+    """Without --scheduling-policy priority, vLLM answers a body naming a priority as any other (its
+    schema reads integers leniently: "3", 2.0), refuses one that is not a whole number, and takes the
+    last of duplicate keys (the gateway appends the class it decided after the client's field). The
+    simulator must answer each body, and each malformed one, with the same status, error type and
+    param: the gateway passes them through, and its tests read what it forwarded from the
+    simulator's count of the priorities it got."""
+    sup = Supervisor(fleet.sup.run_dir / "fcfs-sim")
+    port = free_port()
+    try:
+        sup.start_sim(port, 1, "sim", "--model", MODEL)
+        sim = f"http://127.0.0.1:{port}"
+        # the common fields as JSON, the closing brace left off for the fields each body adds
+        start = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})[:-1]
+        bodies = {
+            "priority 3": ', "max_tokens": 2, "priority": 3}',
+            "priority -5": ', "max_tokens": 2, "priority": -5}',
+            'priority "3"': ', "max_tokens": 2, "priority": "3"}',
+            "priority 2.0": ', "max_tokens": 2, "priority": 2.0}',
+            'priority "x" then 0': ', "max_tokens": 2, "priority": "x", "priority": 0}',
+            'priority 0 then "x"': ', "max_tokens": 2, "priority": 0, "priority": "x"}',
+            "priority 1.5": ', "max_tokens": 2, "priority": 1.5}',
+            "priority []": ', "max_tokens": 2, "priority": []}',
+            'max_tokens "x"': ', "max_tokens": "x"}',
+            "max_tokens -1": ', "max_tokens": -1}',
+            "stream_options without stream": ', "max_tokens": 2, "stream_options": {"include_usage": true}}',
+            "stream_options 5": ', "max_tokens": 2, "stream": true, "stream_options": 5}',
+            "cache_salt 5": ', "max_tokens": 2, "cache_salt": 5}',
+        }
+        sent = {name: start + tail for name, tail in bodies.items()}
+        sent["messages not a list"] = json.dumps({"model": MODEL, "messages": "x"})
+        sent["an array"] = "[1]"
+        sent["not JSON"] = "{not json"
+        real = {name: send(fcfs_pair[0], body) for name, body in sent.items()}
+        simulated = {name: send(sim, body) for name, body in sent.items()}
+        print(json.dumps({"real": real, "sim": simulated}, indent=1))
+        taken = ("priority 3", "priority -5", 'priority "3"', "priority 2.0", 'priority "x" then 0')
+        assert all(real[name] == (200, None, None) for name in taken), real
+        assert real['priority 0 then "x"'] == (400, "Bad Request", "body.priority"), real
+        assert simulated == real
+        assert http_json("GET", sim + "/sim/info")[1]["priorities"] == {"-5": 1, "0": 1, "2": 1, "3": 2}
+    finally:
+        sup.stop_all()
+
+
+def send(url: str, raw: str) -> tuple[int, str | None, str | None]:
+    """A chat body sent as written (duplicate keys kept): its status, error type and param."""
+    status, _, answer = post(url + "/v1/chat/completions", raw.encode())
+    if status == 200:
+        return status, None, None
+    return status, answer["error"]["type"], answer["error"]["param"]
 
 
 def disaggregated(fleet: RealFleet, p_url: str, d_url: str, tokens: Tokens) -> None:

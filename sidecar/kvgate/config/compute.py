@@ -102,7 +102,7 @@ class QueueConfig:
     forward_priority: bool = flag(
         False,
         "write the request's priority into its body for vLLM, over one the client wrote (backends "
-        "run --scheduling-policy priority; others refuse a non-zero priority)",
+        "run --scheduling-policy priority; an FCFS server ignores it)",
     )
     heartbeat_s: float = millis(
         500, 50, 10_000, "a waiting request's connection hears from the sidecar this often"
