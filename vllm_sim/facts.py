@@ -85,8 +85,7 @@ class ServerBase:
         self._seen: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
         self.connections = 0
         self.in_frontend = 0  # completion requests accepted and not yet in the engine (tokenizing)
-        # Chat and completion requests by the priority their body carried (GET /sim/info): what a
-        # gateway forwarded, which an FCFS server takes and ignores as vLLM does.
+        # Requests by the priority their body carried (/sim/info): what a gateway forwarded.
         self.priorities: collections.Counter[int] = collections.Counter()
         self.responses_store = apis.ResponseStore()
         self.engine_id = uuid.uuid4().hex  # names this instance's KV blocks to decoders
@@ -156,12 +155,7 @@ class ServerBase:
         ctype = request.headers.get("Content-Type", "")
         if "application/json" not in ctype:
             raise protocol.ApiError(400, "Unsupported Media Type: Only 'application/json' is allowed")
-        raw = await request.read()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            at = exc.pos if isinstance(exc, json.JSONDecodeError) else exc.start
-            raise protocol.ApiError.invalid(at, "json_invalid", "JSON decode error", {}) from None
+        return protocol.parse_json(await request.read())
 
     async def models(self, request: web.Request) -> web.Response:
         m = self.config.model

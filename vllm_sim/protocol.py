@@ -10,6 +10,7 @@ one place so a vLLM change is made once.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -62,6 +63,15 @@ def require_object(body: Any, field: str | None = None) -> None:
     """vLLM's answer to a body (or a field) that is not a JSON object."""
     if not isinstance(body, dict):
         raise ApiError.invalid(field, "model_attributes_type", NOT_AN_OBJECT, body)
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body; one that is not JSON is a schema error at its first bad byte, as in vLLM."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        at = exc.pos if isinstance(exc, json.JSONDecodeError) else exc.start
+        raise ApiError.invalid(at, "json_invalid", "JSON decode error", {}) from None
 
 
 def check_model(model: object, served: str) -> None:
