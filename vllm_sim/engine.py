@@ -148,6 +148,7 @@ class Engine:
                 break
             if need > 0:
                 req.blocks.extend(self.pool.allocate(need))
+            self._register_full_blocks(req, req.num_computed + n)
             scheduled[req] = n
             budget -= n
             i = self.running.index(req) + 1
@@ -190,6 +191,7 @@ class Engine:
                 req.cached_tokens = computed
             req.status = Status.RUNNING
             self.running.append(req)
+            self._register_full_blocks(req, computed + n)
             scheduled[req] = n
             budget -= n
 
@@ -208,7 +210,6 @@ class Engine:
         events: list[TokenEvent] = []
         for req, n in scheduled.items():
             req.num_computed += n
-            self._register_full_blocks(req)
             if req.num_computed < req.num_tokens:
                 continue  # a prefill chunk: no token sampled yet
             word = req.output_words[req.num_output]
@@ -230,9 +231,12 @@ class Engine:
     def _blocks_for(self, tokens: int) -> int:
         return (tokens + self.block_size - 1) // self.block_size
 
-    def _register_full_blocks(self, req: Request) -> None:
+    def _register_full_blocks(self, req: Request, upto: int) -> None:
+        """Record in the prefix cache the full blocks of the first ``upto`` tokens, when a step is
+        scheduled to compute them (vLLM V1 caches blocks at allocation): a request scheduled later
+        in the same step (a copy of the prompt, each of a request's n completions) already hits."""
         bs = self.block_size
-        full = req.num_computed // bs
+        full = upto // bs
         if full <= req.num_registered:
             return
         if len(req.hashes) < full:

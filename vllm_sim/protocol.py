@@ -94,6 +94,7 @@ class Parsed:
     cache_salt: str | None
     request_id: str
     kv_transfer: KvTransfer | None = None
+    n: int = 1  # completions of the prompt: vLLM runs each as an engine request of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,9 +209,9 @@ def parse_request(kind: str, body: Any, served_model: str, max_model_len: int) -
     max_tokens = _int_field(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int_field(body, "max_tokens", 1)
-    n = _int_field(body, "n", 1)
-    if n not in (None, 1):
-        raise ApiError(400, "Only n=1 is supported.", "n")
+    n = _int_field(body, "n", -(2**31))
+    if n is not None and n < 1:
+        raise ApiError(400, f"n must be at least 1, got {n}.")
     p = len(prompt_ids)
     if max_tokens is None:
         # vLLM: chat defaults to "up to max_model_len"; completions default to 16 tokens.
@@ -260,6 +261,7 @@ def parse_request(kind: str, body: Any, served_model: str, max_model_len: int) -
         cache_salt=salt,
         request_id=prefix + (rid if isinstance(rid, str) and rid else uuid.uuid4().hex),
         kv_transfer=parse_kv_transfer(body.get("kv_transfer_params")),
+        n=n or 1,
     )
 
 
@@ -293,11 +295,11 @@ class ResponseBuilder:
             out["usage"] = usage_block
         return out
 
-    def role_chunk(self) -> dict[str, Any]:
+    def role_chunk(self, index: int = 0) -> dict[str, Any]:
         return self._chunk(
             [
                 {
-                    "index": 0,
+                    "index": index,
                     "delta": {"role": "assistant", "content": ""},
                     "logprobs": None,
                     "finish_reason": None,
@@ -307,18 +309,18 @@ class ResponseBuilder:
         )
 
     def token_chunk(
-        self, text: str, finish_reason: str | None, running: dict[str, Any] | None
+        self, text: str, finish_reason: str | None, running: dict[str, Any] | None, index: int = 0
     ) -> dict[str, Any]:
         choice: dict[str, Any]
         if self.chat:
             choice = {
-                "index": 0,
+                "index": index,
                 "delta": {"content": text},
                 "logprobs": None,
                 "finish_reason": finish_reason,
             }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = None
         return self._chunk([choice], running if self.req.continuous_usage else None)
@@ -335,48 +337,48 @@ class ResponseBuilder:
 
     def full(
         self,
-        text: str,
-        finish_reason: str,
+        outputs: list[tuple[str, str]],
         usage_block: dict[str, Any],
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": text,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "tool_calls": [],
-                    "reasoning_content": None,
-                },
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
+        """The whole answer: one choice per (text, finish reason) of ``outputs``."""
+        return {
+            "id": self.req.request_id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.req.model,
+            "choices": [self._choice(i, text, reason) for i, (text, reason) in enumerate(outputs)],
+            "usage": usage_block,
+            "service_tier": None,
+            "system_fingerprint": None,
+            "prompt_logprobs": None,
+            "kv_transfer_params": kv_transfer_params,
+        }
+
+    def _choice(self, index: int, text: str, finish_reason: str) -> dict[str, Any]:
+        if not self.chat:
+            return {
+                "index": index,
                 "text": text,
                 "logprobs": None,
                 "finish_reason": finish_reason,
                 "stop_reason": None,
                 "prompt_logprobs": None,
             }
-            obj = "text_completion"
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": text,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "tool_calls": [],
+            "reasoning_content": None,
+        }
         return {
-            "id": self.req.request_id,
-            "object": obj,
-            "created": self.created,
-            "model": self.req.model,
-            "choices": [choice],
-            "usage": usage_block,
-            "service_tier": None,
-            "system_fingerprint": None,
-            "prompt_logprobs": None,
-            "kv_transfer_params": kv_transfer_params,
+            "index": index,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
         }

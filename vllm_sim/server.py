@@ -6,9 +6,10 @@ ones, the state and the lifecycle: ``vllm_sim.facts``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -17,7 +18,7 @@ from vllm_sim import protocol, tokenizer
 from vllm_sim.facts import error_response, json_response
 from vllm_sim.other_routes import OtherRoutes
 from vllm_sim.realtime import INTERNAL_ERROR
-from vllm_sim.request import Request
+from vllm_sim.request import Request, TokenEvent
 
 logger = logging.getLogger(__name__)
 
@@ -119,25 +120,31 @@ class Instance(OtherRoutes):
             await asyncio.sleep(loop.to_wall(cfg.profile.frontend_s + transfer_s))
         finally:
             self.in_frontend -= 1
-        req = Request(
-            request_id=parsed.request_id,
-            prompt_ids=parsed.prompt_ids,
-            max_tokens=parsed.max_tokens,
-            arrival=arrival,
-            ignore_eos=parsed.ignore_eos,
-            priority=parsed.priority,
-            cache_salt=parsed.cache_salt,
-            remote_tokens=remote_tokens,
-        )
-        queue = loop.submit(req)
+        # n completions: vLLM fans the prompt out to n engine requests (ids "i_<id>"), each counted
+        # in its metrics; all but the first find the prompt's blocks in the prefix cache.
+        children = [
+            Request(
+                request_id=parsed.request_id if parsed.n == 1 else f"{i}_{parsed.request_id}",
+                prompt_ids=parsed.prompt_ids,
+                max_tokens=parsed.max_tokens,
+                arrival=arrival,
+                ignore_eos=parsed.ignore_eos,
+                priority=parsed.priority,
+                cache_salt=parsed.cache_salt,
+                remote_tokens=remote_tokens,
+            )
+            for i in range(parsed.n)
+        ]
+        runs = [(req, loop.submit(req)) for req in children]
         builder = protocol.ResponseBuilder(parsed)
         try:
             if parsed.stream:
-                return await self._stream(request, req, queue, builder)
-            return await self._collect(req, queue, builder)
+                return await self._stream(request, runs, builder)
+            return await self._collect(runs, builder)
         finally:
-            if req.finish_reason is None:
-                loop.abort(req.request_id)
+            for req in children:
+                if req.finish_reason is None:
+                    loop.abort(req.request_id)
 
     def _check_kv_transfer(self, kv: protocol.KvTransfer | None, prompt_len: int) -> int:
         """Whether this instance's role takes this leg; the prompt tokens whose KV arrives remotely."""
@@ -173,17 +180,24 @@ class Instance(OtherRoutes):
             "remote_num_tokens": req.prompt_len,
         }
 
-    async def _collect(
-        self, req: Request, queue: asyncio.Queue[Any], builder: protocol.ResponseBuilder
-    ) -> web.Response:
-        words, reason = await self._drain(req, queue, "prompt")
-        usage = protocol.usage(req.prompt_len, len(words), req.cached_tokens or 0)
+    async def _collect(self, runs: list[Run], builder: protocol.ResponseBuilder) -> web.Response:
+        outputs = [await self._drain(req, queue, "prompt") for req, queue in runs]
+        reqs = [req for req, _ in runs]
+        usage = self._usage(reqs, sum(len(words) for words, _ in outputs))
         kv = builder.req.kv_transfer
-        params = self._kv_transfer_params(req) if kv is not None and kv.remote_decode else None
-        return json_response(builder.full(tokenizer.decode_words(words), reason, usage, params))
+        params = self._kv_transfer_params(reqs[0]) if kv is not None and kv.remote_decode else None
+        texts = [(tokenizer.decode_words(words), reason) for words, reason in outputs]
+        return json_response(builder.full(texts, usage, params))
+
+    @staticmethod
+    def _usage(reqs: list[Request], completion_tokens: int) -> dict[str, Any]:
+        """A request's usage: its prompt once, the tokens of all its completions; cached, the most
+        any of them found (vLLM reports the prompt's hit, not the first completion's miss)."""
+        cached = max(req.cached_tokens or 0 for req in reqs)
+        return protocol.usage(reqs[0].prompt_len, completion_tokens, cached)
 
     async def _stream(
-        self, request: web.Request, req: Request, queue: asyncio.Queue[Any], builder: protocol.ResponseBuilder
+        self, request: web.Request, runs: list[Run], builder: protocol.ResponseBuilder
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
@@ -195,39 +209,41 @@ class Instance(OtherRoutes):
         # Like vLLM (a Starlette StreamingResponse under uvicorn), the status line and headers leave as
         # soon as the request is accepted, before prefill; the first event leaves with the first token.
         await resp.prepare(request)
+        reqs = [req for req, _ in runs]
         n = 0
-        last: float | None = None
+        last: list[float | None] = [None] * len(runs)
         abort_after = self.faults.abort_after_tokens
         if abort_after == 0:
             self._cut(request)  # an engine that dies during prefill, after the headers left
         first = True
-        while True:
-            event = await queue.get()
-            if first:
-                first = False
-                if builder.chat:
-                    await send(builder.role_chunk())
-            if event.finish_reason in ("error", INTERNAL_ERROR):
-                # vLLM reports failures after the stream started as an error event, then [DONE].
-                err = (
-                    protocol.ApiError(500, "The engine failed while running this request.")
-                    if event.finish_reason == INTERNAL_ERROR
-                    else protocol.ApiError(400, "The prompt does not fit in the KV cache.")
-                )
-                await send(err.body())
-                break
-            if event.word is not None:
-                last = self._observe_token(req, event, last)
-                n += 1
-                running = protocol.usage(req.prompt_len, n, req.cached_tokens or 0)
-                await send(builder.token_chunk(" " + event.word, event.finish_reason, running))
-                if abort_after is not None and n >= abort_after and event.finish_reason is None:
-                    self._cut(request)
-            if event.finish_reason is not None:
-                self._finish_metrics(req)
+        async with contextlib.aclosing(merged(runs)) as events:
+            async for i, event in events:
+                if first:
+                    first = False
+                    if builder.chat:  # each completion's role, then their tokens as their steps make them
+                        for index in range(len(runs)):
+                            await send(builder.role_chunk(index))
+                if event.finish_reason in ("error", INTERNAL_ERROR):
+                    # vLLM reports failures after the stream started as an error event, then [DONE].
+                    err = (
+                        protocol.ApiError(500, "The engine failed while running this request.")
+                        if event.finish_reason == INTERNAL_ERROR
+                        else protocol.ApiError(400, "The prompt does not fit in the KV cache.")
+                    )
+                    await send(err.body())
+                    break
+                if event.word is not None:
+                    last[i] = self._observe_token(reqs[i], event, last[i])
+                    n += 1
+                    usage = self._usage(reqs, n)
+                    await send(builder.token_chunk(" " + event.word, event.finish_reason, usage, i))
+                    if abort_after is not None and n >= abort_after and event.finish_reason is None:
+                        self._cut(request)
+                if event.finish_reason is not None:
+                    self._finish_metrics(reqs[i])
+            else:
                 if builder.req.include_usage:
-                    await send(builder.usage_chunk(protocol.usage(req.prompt_len, n, req.cached_tokens or 0)))
-                break
+                    await send(builder.usage_chunk(self._usage(reqs, n)))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -238,3 +254,38 @@ class Instance(OtherRoutes):
         if request.transport is not None:
             request.transport.abort()
         raise asyncio.CancelledError
+
+
+Run = tuple[Request, asyncio.Queue[TokenEvent]]
+
+
+async def merged(runs: list[Run]) -> AsyncGenerator[tuple[int, TokenEvent]]:
+    """The token events of a request's completions in the order their steps made them, each with
+    its completion's index, until every completion has finished."""
+    out: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
+
+    async def pump(i: int, queue: asyncio.Queue[TokenEvent]) -> None:
+        while True:
+            event = await queue.get()
+            out.put_nowait((i, event))
+            if event.finish_reason is not None:
+                return
+
+    if len(runs) == 1:  # the common case, without a task in between
+        queue = runs[0][1]
+        while True:
+            event = await queue.get()
+            yield 0, event
+            if event.finish_reason is not None:
+                return
+    pumps = [asyncio.create_task(pump(i, queue)) for i, (_, queue) in enumerate(runs)]
+    try:
+        for _ in range(len(runs)):  # until each completion's last event
+            while True:
+                i, event = await out.get()
+                yield i, event
+                if event.finish_reason is not None:
+                    break
+    finally:
+        for task in pumps:
+            task.cancel()

@@ -161,6 +161,47 @@ def test_repeated_prompt_reports_cached_tokens_faster_ttft_and_metrics(
     assert 0.08 < cold - warm < 0.2, (cold, warm)
 
 
+def counter(sim: str, name: str) -> float:
+    """The sum of one series of the simulator's /metrics over its label sets."""
+    text = urllib.request.urlopen(sim + "/metrics", timeout=5).read().decode()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name))
+
+
+def test_n_completions_are_engine_requests_of_their_own_that_share_the_prompts_blocks(
+    client: openai.OpenAI, sim: str
+) -> None:
+    """As vLLM 0.32 serves ``n`` (tests/real/test_twin.py compares the counters): n engine
+    requests, each counted; the prompt's full blocks are cached when the first is scheduled, so
+    the others hit them in the same step; usage counts the prompt once, every completion's tokens,
+    and the prompt's hit. A stream sends each completion's role, then tokens by index."""
+    names = ("vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total")
+    before = {name: counter(sim, name) for name in names}
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": words(600, "n")}], max_tokens=5, n=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    prompt = r.usage.prompt_tokens
+    whole = (prompt - 1) // 16 * 16
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 15 and r.usage.prompt_tokens_details.cached_tokens == whole
+    grew = {name: counter(sim, name) - before[name] for name in names}
+    assert grew == {names[0]: 3, names[1]: 3 * prompt, names[2]: 2 * whole}, (grew, prompt)
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": words(50, "m")}], max_tokens=4, n=2,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role]
+    tokens = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.content]
+    finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert roles == [0, 1] and sorted(tokens) == [0] * 4 + [1] * 4 and sorted(finished) == [0, 1]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    for bad in (0, -1):
+        status, body = http_json("POST", sim + "/v1/completions", {"prompt": "x", "n": bad})
+        assert status == 400 and body["error"]["message"] == f"n must be at least 1, got {bad}.", body
+
+
 def test_an_fcfs_server_takes_a_priority_and_counts_it_by_value(sim: str) -> None:
     """vLLM 0.32 on its default FCFS scheduler answers a request naming a priority as any other (it
     ignores the value); /sim/info counts the requests by the priority they carried, which is how

@@ -1,8 +1,8 @@
 """The simulator against real vLLM, signal by signal: one script of requests sent to a real server
 and to a ``vllm-sim`` with the real server's cache geometry, and what each one's /metrics and
 answers say after each step compared. Where kvgate relies on a signal (prompt and prefix-cache
-counters, KV usage, the running count after a client leaves, the finish reasons counted, an
-over-long prompt's error), the simulator must say what vLLM says."""
+counters, KV usage, the running count after a client leaves, the finish reasons counted, a request
+for n completions, an over-long prompt's error), the simulator must say what vLLM says."""
 
 from __future__ import annotations
 
@@ -124,6 +124,30 @@ def script(url: str, seed: str) -> dict[str, Any]:
     seen["after the abort: the prompt is still cached"] = (
         total(m4, "vllm:prefix_cache_hits_total") - total(m3, "vllm:prefix_cache_hits_total") == cached
     )
+
+    # n completions: n engine requests, the later ones hitting the blocks the first was scheduled on
+    fresh = " ".join(filler_words(f"twin-n-{seed}", 600))
+    count = int(post(url + "/tokenize", {"model": MODEL, "prompt": fresh})[2]["count"])
+    whole = (count - 1) // BLOCK_SIZE * BLOCK_SIZE
+    m5 = scrape(url)
+    body = {"model": MODEL, "prompt": fresh, "max_tokens": 4, "ignore_eos": True, "n": 3}
+    status, _, answer = post(url + "/v1/completions", body)
+    m6 = scrape(url)
+    seen["n=3: status, choices, completion tokens"] = (
+        status,
+        [c["index"] for c in answer["choices"]],
+        answer["usage"]["completion_tokens"],
+    )
+    seen["n=3: prompt tokens counted, per /tokenize's count"] = (
+        total(m6, "vllm:prompt_tokens_total") - total(m5, "vllm:prompt_tokens_total")
+    ) / count
+    seen["n=3: hits, as the whole blocks of two completions"] = (
+        total(m6, "vllm:prefix_cache_hits_total") - total(m5, "vllm:prefix_cache_hits_total") == 2 * whole
+    )
+    seen["n=3: cached tokens reported, as whole blocks"] = (
+        answer["usage"]["prompt_tokens_details"]["cached_tokens"] == whole
+    )
+    seen["n=3: finish reasons"] = delta(m5, m6, "vllm:request_success_total")
 
     long_prompt = " ".join(filler_words(f"twin-long-{seed}", MAX_MODEL_LEN + 100))
     status, answer = complete(url, long_prompt)
