@@ -51,6 +51,26 @@ def test_under_a_token_limit_a_request_without_max_tokens_gets_what_is_left() ->
     assert a.given_max_tokens("d3") == 10_000 - 5_096 - 1_100 - 1_000
 
 
+def test_each_of_n_completions_counts_its_output_and_shares_what_is_left() -> None:
+    """vLLM generates up to max_tokens for each of a request's ``n`` completions: a token limit
+    counts every one, and what it gives a request without max_tokens is shared among them, so the
+    n together cannot outrun what the key had left."""
+    a = admission(limits={"per_key": {"tokens_per_minute": 10_000}, "default_max_tokens": 4096})
+    four = Features("m", None, "none", (), 4_000, client_key="team-a", completions=4)
+    a.admit("d1", four)  # 1,000 prompt tokens: 9,000 left for 4 completions
+    assert a.given_max_tokens("d1") == 9_000 // 4
+    with pytest.raises(RateLimited):  # 1,000 + 4 x 2,000 = 9,000 more: over the 1,000 left
+        a.admit(
+            "d2", Features("m", None, "none", (), 4_000, client_key="team-a", max_tokens=2_000, completions=4)
+        )
+    a.unadmit("d1")
+    a.admit(
+        "d2", Features("m", None, "none", (), 4_000, client_key="team-a", max_tokens=2_000, completions=4)
+    )
+    with pytest.raises(RateLimited):  # the 9,000 counted leave 1,000: not another prompt and 1 token
+        a.admit("d3", feats(max_tokens=1))
+
+
 def test_tokens_come_back_when_a_request_never_runs_and_are_corrected_by_its_usage() -> None:
     a = admission(limits={"per_key": {"tokens_per_minute": 6_000}})
     a.admit("d1", feats(max_tokens=2_000))  # 3,000 counted

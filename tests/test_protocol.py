@@ -43,6 +43,7 @@ def features(d: dict[str, Any]) -> Features:
         d["client_addr"],
         d["max_tokens"],
         d["priority"],
+        d["completions"],
     )
 
 

@@ -24,6 +24,9 @@ local MAX_MODEL     = 256    -- bytes of `model`
 local MAX_TOKENS    = 2147483647
 local MIN_PRIORITY  = -2147483648
 local MAX_PRIORITY  = 2147483647
+-- `n`: OpenAI's own bound. vLLM runs each completion as an engine request of its own, so a client
+-- could otherwise ask one backend for any number of requests at once.
+local MAX_COMPLETIONS = 128
 local TEXT_FIELDS   = { model = MAX_MODEL, user = MAX_TEXT }
 local TOKEN_FIELDS  = { "max_tokens", "max_completion_tokens" }
 
@@ -129,6 +132,10 @@ function _M.invalid(body, session)
     if priority ~= nil and priority ~= cjson.null and not whole(priority, MIN_PRIORITY, MAX_PRIORITY) then
         return "`priority` must be a whole number.", "priority"
     end
+    local n = body.n
+    if n ~= nil and n ~= cjson.null and not whole(n, 1, MAX_COMPLETIONS) then
+        return "`n` must be a whole number from 1 to " .. MAX_COMPLETIONS .. ".", "n"
+    end
 end
 
 -- The tokens the client asked for at most (max_completion_tokens first, as vLLM reads them), or nil.
@@ -139,6 +146,15 @@ function _M.max_tokens(body)
         mt = body.max_tokens
     end
     return type(mt) == "number" and mt or nil
+end
+
+-- The completions the client asked for (`n`), when more than one; call after invalid().
+function _M.completions(body)
+    local n = body.n
+    if type(n) == "number" and n > 1 then
+        return n
+    end
+    return nil
 end
 
 -- The priority the client asked for: the body's (vLLM's field), else an X-Priority header.

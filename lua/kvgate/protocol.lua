@@ -30,8 +30,8 @@ function _M.decide(id, f)
     end
     return { pv = VERSION, op = "decide", i = id,
              f = { m = f.model, k = f.key, ks = f.key_source, h = hashes, b = f.prompt_bytes,
-                   ck = f.client_key, ca = f.client_addr, mt = f.max_tokens, pr = f.priority,
-                   tb = f.body } }
+                   ck = f.client_key, ca = f.client_addr, mt = f.max_tokens, n = f.completions,
+                   pr = f.priority, tb = f.body } }
 end
 
 function _M.report(outcomes)

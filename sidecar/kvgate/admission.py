@@ -54,7 +54,8 @@ class Admission:
     def admit(self, did: str, f: Features) -> None:
         """Count the request against its key's and its address's limits, or raise RateLimited. Under
         a token limit, a request without max_tokens is given one (what the limit has left after its
-        prompt, at most ``limits.default_max_tokens``), counted as such."""
+        prompt, shared among its ``n`` completions, at most ``limits.default_max_tokens``), counted
+        as such; a request's output counts once per completion."""
         if self.limiter is None:
             return
         identities = ([f"key:{f.client_key}"] if f.client_key else []) + (
@@ -67,8 +68,10 @@ class Admission:
         if output is None:
             room = self.limiter.headroom(identities, now)
             if room is not None:
-                output = given = max(1, min(self.config.limits.default_max_tokens, int(room) - f.est_tokens))
-        tokens = f.est_tokens + (output if output is not None else DEFAULT_OUTPUT_TOKENS)
+                # each of n completions may generate max_tokens: what is left is shared among them
+                share = (int(room) - f.est_tokens) // f.completions
+                output = given = max(1, min(self.config.limits.default_max_tokens, share))
+        tokens = f.est_tokens + f.completions * (output if output is not None else DEFAULT_OUTPUT_TOKENS)
         retry = self.limiter.admit(identities, tokens, now)
         if retry is not None:
             self.metrics.rate_limited.labels(identities[0].partition(":")[0]).inc()

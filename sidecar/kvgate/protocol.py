@@ -10,6 +10,7 @@ never waits)::
 
     {"pv":4,"op":"decide","i":id,"f":{"m":model,"k":key,"ks":key source,"h":[chunk hash,...],"b":bytes,
                                       "ck":API key name,"ca":client address,"mt":max tokens,
+                                      "n":completions asked for (absent: 1),
                                       "pr":priority the client asked for}}
     {"pv":4,"op":"report","o":[outcome,...]}
     {"pv":4,"op":"peers","fp":the fingerprint of the settings Nginx was rendered with (agreement.py)}
@@ -141,8 +142,7 @@ def decode_features(d: Any) -> Features:
         hashes = ()
     if not isinstance(hashes, list | tuple) or not all(isinstance(h, str) for h in hashes):
         raise ValueError("h must be a list of hash strings")
-    mt = d.get("mt")
-    pr = d.get("pr")
+    mt, n, pr = d.get("mt"), d.get("n"), d.get("pr")
     return Features(
         model=_text(d.get("m"), "m"),
         key=_text(d.get("k"), "k"),
@@ -152,6 +152,7 @@ def decode_features(d: Any) -> Features:
         client_key=_text(d.get("ck"), "ck"),
         client_addr=_text(d.get("ca"), "ca"),
         max_tokens=None if mt is None else max(0, _int(mt, "mt")),
+        completions=1 if n is None else max(1, _int(n, "n")),
         priority=None if pr is None else max(-(2**31), min(2**31 - 1, _int(pr, "pr"))),
     )
 
@@ -241,6 +242,8 @@ def encode_features(f: Features) -> dict[str, Any]:
         out["ca"] = f.client_addr
     if f.max_tokens is not None:
         out["mt"] = f.max_tokens
+    if f.completions != 1:
+        out["n"] = f.completions
     if f.priority is not None:
         out["pr"] = f.priority
     return out

@@ -225,6 +225,34 @@ def test_a_stream_is_counted_by_what_it_generated_and_never_outruns_its_keys_bud
     assert status == 200 and tokens == 5 and '"completion_tokens":5' in text.replace(" ", ""), text[-400:]
 
 
+def test_n_completions_share_what_the_key_has_left(stack: Supervisor) -> None:
+    """vLLM generates up to max_tokens for each of a request's n completions. The gateway gave a
+    request without max_tokens the key's whole remaining budget, so n = 4 generated four times what
+    the key had left; now the budget is shared among them, and all four are counted."""
+    sim = start_backends(stack, 1, "--max-model-len", "4096", "--time-scale", "20")
+    gw = Gateway(
+        stack,
+        "gw",
+        None,
+        sim,
+        1,
+        decision_timeout_ms=COUNTED_MS,
+        extra=keyed(per_key={"tokens_per_minute": 1500}),
+    )
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "four stories"}], "ignore_eos": True}
+    inside_one_window(15.0)
+    status, tokens, text = stream(gw.url, KEY_A, {**body, "n": 4})
+    assert status == 200 and 1000 < tokens <= 1500, (status, tokens, text[-300:])
+    assert {json.loads(x[6:])["choices"][0]["index"] for x in text.splitlines() if '"choices":[{' in x} == {
+        0,
+        1,
+        2,
+        3,
+    }
+    status, _, text = stream(gw.url, KEY_A, {**body, "max_tokens": 20})
+    assert status == 429, (status, text[:300])  # the four completions' tokens were all counted
+
+
 def test_replicas_share_a_limit_through_redis(stack: Supervisor) -> None:
     redis_port = free_port()
     stack.start_redis(redis_port)

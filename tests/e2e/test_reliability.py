@@ -90,6 +90,10 @@ MSG = b'"messages":[{"role":"user","content":"hi"}]'
         (b'{"model":"sim-model",' + MSG + b',"max_tokens":"5"}', "", "max_tokens"),
         (b'{"model":"sim-model",' + MSG + b',"max_tokens":2.5}', "", "max_tokens"),
         (b'{"model":"sim-model",' + MSG + b',"stream":"yes"}', "", "stream"),
+        (b'{"model":"sim-model",' + MSG + b',"n":0}', "", "n"),
+        (b'{"model":"sim-model",' + MSG + b',"n":129}', "", "n"),  # each an engine request in vLLM
+        (b'{"model":"sim-model",' + MSG + b',"n":2.5}', "", "n"),
+        (b'{"model":"sim-model",' + MSG + b',"n":"2"}', "", "n"),
         (b'{"model":["x"],' + MSG + b"}", "", "model"),
         (b'{"model":"sim-model","user":"' + b"u" * 513 + b'",' + MSG + b"}", "", "user"),
         (b'{"model":"sim-model",' + MSG + b"}", "X-Session-ID: " + "s" * 513 + "\r\n", None),

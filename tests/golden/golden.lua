@@ -49,7 +49,9 @@ local function run_protocol()
                                                    client_key = nn(f.client_key),
                                                    client_addr = nn(f.client_addr),
                                                    max_tokens = nn(f.max_tokens),
-                                                   priority = nn(f.priority), body = nn(case.body) })
+                                                   priority = nn(f.priority),
+                                                   completions = f.completions ~= 1 and f.completions or nil,
+                                                   body = nn(case.body) })
     end
     for i, case in ipairs(g.report) do
         local items = {}

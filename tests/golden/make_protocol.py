@@ -42,6 +42,7 @@ FEATURES = [
     Features(None, None, "none", (), 0),
     Features("m", "u:héllo ✓", "user", ("aaaaaaaaaaaaaaaa",), 700),
     Features("m", "h:s", "header", (), 12, client_key="team-a", client_addr="10.0.0.7", max_tokens=64),
+    Features("m", "h:s", "header", (), 12, client_key="team-a", max_tokens=64, completions=4),
     Features("m", "p:0011223344556677", "prefix", (), 99, priority=-5),
 ]
 # With the exact index on, a decision carries the request's body (to be tokenized).
@@ -113,6 +114,7 @@ def features(f: Features) -> dict[str, object]:
         "client_addr": f.client_addr,
         "max_tokens": f.max_tokens,
         "priority": f.priority,
+        "completions": f.completions,
     }
 
 
