@@ -4,12 +4,38 @@ progress, counted less what the backend's fit says is done."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvgate.config import GatewayConfig
 from kvgate.first_byte import PROGRESS_CAP, FirstByteBudget
 from kvgate.inflight import InflightLedger
 from kvgate.messages import Outcome
 
 from tests.cores import config, features, ready, run
+
+
+def test_a_request_for_n_completions_counts_as_n_requests_until_its_report() -> None:
+    """vLLM runs each of a request's n completions as an engine request of its own (its
+    num_requests_running counts them): the ledger counts them all, and brings them all down at
+    the end, at a drop, or when the decision moves with its session."""
+
+    async def scenario() -> None:
+        sc = ready(config(None), None)
+        ledger = sc.registry.ledger
+        four = dataclasses.replace(features(1), completions=4)
+        routed = await sc.service.route(four)
+        assert sum(ledger.counts.values()) == 4
+        other = routed.candidates[1].id  # the next of its ordered candidates
+        ledger.move(routed.decision_id, other, 0)
+        assert ledger.counts[other] == 4 and ledger.counts[routed.candidates[0].id] == 0
+        sc.service.report([Outcome.end(routed.decision_id, other, 200, True, 0.1, 0.5)])
+        assert sum(ledger.counts.values()) == 0
+        dropped = await sc.service.route(dataclasses.replace(features(3), completions=3))
+        assert sum(ledger.counts.values()) == 3
+        sc.service.report([Outcome.drop(dropped.decision_id)])
+        assert sum(ledger.counts.values()) == 0 and len(ledger) == 0
+
+    run(scenario())
 
 
 def test_inflight_counts_rise_with_decisions_and_end_with_reports() -> None:

@@ -35,6 +35,7 @@ class _Entry:
     work_attention: float = 0.0  # and their quadratic part
     predicted: float | None = None  # its expected seconds to the first byte, when routed
     decision_id: str = ""
+    requests: int = 1  # the engine requests it runs: one per completion (``n``)
 
 
 class FirstByte(NamedTuple):
@@ -90,13 +91,16 @@ class InflightLedger:
         model: str | None = None,
         prompt_bytes: int = 0,
         attention: float = 0.0,
+        requests: int = 1,
     ) -> bool:
         """Count a decision in flight on ``bid`` with ``tokens`` uncached prompt tokens (``attention``:
-        their quadratic part); False when Nginx dropped it already (its drop report overtook the
-        decision)."""
+        their quadratic part) as ``requests`` engine requests (vLLM runs one per completion); False
+        when Nginx dropped it already (its drop report overtook the decision)."""
         if self._dropped.pop(decision_id, None) is not None or not self._known(bid):
             return False
-        entry = _Entry(bid, tokens, now, model, prompt_bytes, attention, decision_id=decision_id)
+        entry = _Entry(
+            bid, tokens, now, model, prompt_bytes, attention, decision_id=decision_id, requests=requests
+        )
         entry.work, entry.work_attention = self.ahead(bid, tokens, attention)
         self._count(entry)
         self._entries[decision_id] = entry
@@ -104,7 +108,7 @@ class InflightLedger:
 
     def _count(self, entry: _Entry) -> None:
         b = entry.backend
-        self.counts[b] = self.counts.get(b, 0) + 1
+        self.counts[b] = self.counts.get(b, 0) + entry.requests
         self.tokens[b] = self.tokens.get(b, 0) + entry.tokens
         self.attention[b] = self.attention.get(b, 0.0) + entry.attention
         if entry.prompt_bytes:
@@ -118,7 +122,7 @@ class InflightLedger:
     def _uncount(self, entry: _Entry) -> None:
         """Where the counts ``_count`` raised come down: a decision that ended, or moved."""
         b = entry.backend
-        self.counts[b] = max(0, self.counts.get(b, 0) - 1)
+        self.counts[b] = max(0, self.counts.get(b, 0) - entry.requests)
         self._reported(entry)
         self._unqueue(entry)
 

@@ -222,7 +222,7 @@ class DecisionService:
 
         primary = decision.candidates[0]
         ledger, own = self.registry.ledger, work(primary)
-        ledger.start(did, primary, own[0], ledger.clock(), f.model, f.prompt_bytes, own[1])
+        ledger.start(did, primary, own[0], ledger.clock(), f.model, f.prompt_bytes, own[1], f.completions)
         if policy is PolicyName.KVGATE and f.key and snap.nodes:
             decision = await self.affinity.settle(f.key, decision, req, snap, policy, plan.confirmed)
             plan = dataclasses.replace(plan, decision=decision)

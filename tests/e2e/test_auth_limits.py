@@ -16,8 +16,8 @@ from kvgate.limits import WINDOW_S
 from kvgate.tools.launcher import Supervisor
 from kvgate.tools.readiness import free_port
 
-from tests.conftest import MODEL
-from tests.helpers import Gateway, chat, start_backends
+from tests.conftest import MODEL, wait_until
+from tests.helpers import Gateway, chat, inflight, start_backends
 
 pytestmark = pytest.mark.e2e
 KEY_A, KEY_B = "sk-team-a-0123456789", "sk-team-b-9876543210"
@@ -251,6 +251,7 @@ def test_n_completions_share_what_the_key_has_left(stack: Supervisor) -> None:
     }
     status, _, text = stream(gw.url, KEY_A, {**body, "max_tokens": 20})
     assert status == 429, (status, text[:300])  # the four completions' tokens were all counted
+    wait_until(lambda: inflight(gw) == (0, 0), timeout=5)  # the four it counted in flight came down
 
 
 def test_replicas_share_a_limit_through_redis(stack: Supervisor) -> None:
