@@ -34,6 +34,24 @@ def test_generation_routes_answer_through_the_gateway(kvgate: Gateway) -> None:
     assert text.choices[0].text is not None and text.usage is not None
     streamed = list(client.completions.create(model=MODEL, prompt="the question", max_tokens=3, stream=True))
     assert streamed
+    # n completions (each an engine request in vLLM), whole and streamed by index; a bound past 128
+    several = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "three answers"}], max_tokens=4, n=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in several.choices] == [0, 1, 2] and several.usage is not None
+    assert several.usage.completion_tokens == 12
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "two answers"}], max_tokens=3, n=2,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    tokens = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.content]
+    assert sorted(set(tokens)) == [0, 1], tokens
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1, n=129
+        )
+    assert refused.value.body["param"] == "n", refused.value.body  # type: ignore[index]
 
 
 def test_responses_answer_and_a_follow_up_goes_back_to_the_backend_that_stored_it(
