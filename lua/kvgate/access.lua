@@ -135,7 +135,8 @@ local function read_request(kind, key_name)
     f.client_key = key_name
     f.client_addr = conf.limits and ngx_var.remote_addr or nil
     f.max_tokens = checks.max_tokens(body)
-    f.completions = checks.completions(body)
+    local completions = checks.completions(body)
+    f.completions = completions > 1 and completions or nil
     f.priority = checks.priority(body)
     f.body = checks.tokenizable(body, raw)
     return body, raw, f

@@ -24,9 +24,6 @@ local MAX_MODEL     = 256    -- bytes of `model`
 local MAX_TOKENS    = 2147483647
 local MIN_PRIORITY  = -2147483648
 local MAX_PRIORITY  = 2147483647
--- `n`: OpenAI's own bound. vLLM runs each completion as an engine request of its own, so a client
--- could otherwise ask one backend for any number of requests at once.
-local MAX_COMPLETIONS = 128
 local TEXT_FIELDS   = { model = MAX_MODEL, user = MAX_TEXT }
 local TOKEN_FIELDS  = { "max_tokens", "max_completion_tokens" }
 
@@ -133,8 +130,14 @@ function _M.invalid(body, session)
         return "`priority` must be a whole number.", "priority"
     end
     local n = body.n
-    if n ~= nil and n ~= cjson.null and not whole(n, 1, MAX_COMPLETIONS) then
-        return "`n` must be a whole number from 1 to " .. MAX_COMPLETIONS .. ".", "n"
+    if n ~= nil and n ~= cjson.null and not whole(n, 1, MAX_TOKENS) then
+        return "`n` must be a whole number of at least 1.", "n"
+    end
+    -- vLLM runs each completion of each prompt as an engine request of its own: one request could
+    -- otherwise fill a server, and outrun a token limit that counted it once.
+    local most = conf.max_engine_requests
+    if _M.completions(body) > most then
+        return "`n` times the prompts asks for more than " .. most .. " completions.", "n"
     end
 end
 
@@ -148,13 +151,15 @@ function _M.max_tokens(body)
     return type(mt) == "number" and mt or nil
 end
 
--- The completions the client asked for (`n`), when more than one; call after invalid().
+-- The completions a request asks for, each an engine request in vLLM: `n` of each of its prompts (a
+-- completions batch: a list of texts, or of lists of token ids). Call after `n` was checked.
 function _M.completions(body)
-    local n = body.n
-    if type(n) == "number" and n > 1 then
-        return n
+    local n = type(body.n) == "number" and body.n or 1
+    local prompt = body.prompt
+    if type(prompt) == "table" and type(prompt[1]) ~= "number" and #prompt > 1 then
+        return n * #prompt
     end
-    return nil
+    return n
 end
 
 -- The priority the client asked for: the body's (vLLM's field), else an X-Priority header.

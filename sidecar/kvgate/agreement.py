@@ -43,6 +43,7 @@ def gateway_settings(config: Config) -> dict[str, Any]:
         "token_timeout_ms": g.token_timeout_ms,
         "max_read_timeout_ms": g.max_read_timeout_ms,
         "client_max_body_size": g.client_max_body_size,
+        "max_engine_requests": g.max_engine_requests,
         "worker_user": g.worker_user,
         "auth": config.auth.enabled,
         "open_routes": config.auth.open_routes,

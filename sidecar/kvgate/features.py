@@ -49,7 +49,7 @@ class Features:
     client_addr: str | None = None
     max_tokens: int | None = None
     priority: int | None = None  # what the client asked for (body ``priority`` or X-Priority)
-    completions: int = 1  # ``n``: vLLM generates each, up to max_tokens apiece
+    completions: int = 1  # ``n`` of each prompt: engine requests in vLLM, up to max_tokens apiece
     # Set by the sidecar from kvgate.tokens (learned per model); 4 is English under BPE tokenizers.
     bytes_per_token: float = 4.0
     # The prompt's token ids as the model's tokenizer gives them (with its chat template), when the

@@ -65,6 +65,7 @@ class NginxSettings:
     token_timeout_ms: int = _taken("token_timeout_ms")
     max_read_timeout_ms: int = _taken("max_read_timeout_ms")
     client_max_body_size: str = _taken("client_max_body_size")
+    max_engine_requests: int = _taken("max_engine_requests")  # n x a batch's prompts, at most
     client_body_buffer_size: str = "4m"
     access_log: bool = False
     error_log: str = ""  # where Nginx logs errors ("": nginx-error.log in run_dir; containers: /dev/stderr)

@@ -10,7 +10,7 @@ never waits)::
 
     {"pv":4,"op":"decide","i":id,"f":{"m":model,"k":key,"ks":key source,"h":[chunk hash,...],"b":bytes,
                                       "ck":API key name,"ca":client address,"mt":max tokens,
-                                      "n":completions asked for (absent: 1),
+                                      "n":completions asked for, n x prompts (absent: 1),
                                       "pr":priority the client asked for}}
     {"pv":4,"op":"report","o":[outcome,...]}
     {"pv":4,"op":"peers","fp":the fingerprint of the settings Nginx was rendered with (agreement.py)}

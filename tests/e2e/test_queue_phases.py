@@ -118,6 +118,35 @@ def test_the_clients_priority_goes_to_the_sidecar_and_bad_ones_are_refused(phase
         assert status == 400 and json.loads(body)["error"]["param"] == "priority", bad
 
 
+def test_the_completions_a_request_asks_for_go_to_the_sidecar_and_too_many_are_refused(
+    stack: Supervisor,
+) -> None:
+    """vLLM runs each of n completions of each prompt of a batch as an engine request: the sidecar
+    hears how many (rate limits count each one's tokens, the in-flight ledger each request), and
+    more than gateway.max_engine_requests is a JSON 400 naming n."""
+    p = Phase(stack, max_engine_requests=12)
+    try:
+        p.route("ok-a")
+        batch = {"model": "m", "prompt": ["a b", "c d", "e f"], "max_tokens": 2}
+        cases = (
+            (CHAT, None),
+            ({**CHAT, "n": 1}, None),
+            ({**CHAT, "n": 4}, 4),
+            (batch, 3),
+            ({**batch, "n": 4}, 12),
+            ({**batch, "prompt": [1, 2, 3], "n": 2}, 2),  # one prompt of token ids
+            ({**batch, "prompt": [[1, 2], [3, 4]], "n": 2}, 4),  # two of them
+        )
+        for body, sent in cases:
+            status, _, answer = p.post(body)
+            assert status == 200 and p.sidecar.decides()[-1]["f"].get("n") == sent, (body, answer)
+        for body in ({**CHAT, "n": 13}, {**batch, "n": 5}, {**CHAT, "n": 0}, {**CHAT, "n": 1.5}):
+            status, _, answer = p.post(body)
+            assert status == 400 and json.loads(answer)["error"]["param"] == "n", (body, answer)
+    finally:
+        p.sidecar.close()
+
+
 @pytest.mark.parametrize("forward", [True, False])
 def test_the_decided_priority_is_written_into_the_body_the_backend_gets(
     stack: Supervisor, forward: bool

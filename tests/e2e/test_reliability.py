@@ -92,6 +92,7 @@ MSG = b'"messages":[{"role":"user","content":"hi"}]'
         (b'{"model":"sim-model",' + MSG + b',"stream":"yes"}', "", "stream"),
         (b'{"model":"sim-model",' + MSG + b',"n":0}', "", "n"),
         (b'{"model":"sim-model",' + MSG + b',"n":129}', "", "n"),  # each an engine request in vLLM
+        (b'{"model":"sim-model","prompt":["a","b","c"],"n":43}', "", "n"),  # 129 with the batch's 3
         (b'{"model":"sim-model",' + MSG + b',"n":2.5}', "", "n"),
         (b'{"model":"sim-model",' + MSG + b',"n":"2"}', "", "n"),
         (b'{"model":["x"],' + MSG + b"}", "", "model"),

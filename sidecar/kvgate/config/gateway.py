@@ -86,6 +86,14 @@ class GatewayConfig:
     )
     max_read_timeout_ms: int = whole(600_000, 100, 86_400_000, "the longest wait of any try")
     client_max_body_size: str = custom("16m", _body_size, "the largest request body, as Nginx writes sizes")
+    max_engine_requests: int = whole(
+        128,
+        1,
+        1_000_000,
+        "the engine requests one request may ask for: its n completions of each of its prompts (a "
+        "completions batch). vLLM runs each as a request of its own, and rate limits count each "
+        "one's tokens; past this, a JSON 400 (128: OpenAI's bound on n)",
+    )
     retry_statuses: tuple[int, ...] = custom(
         RETRY_STATUSES,
         _statuses,
