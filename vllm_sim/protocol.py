@@ -95,6 +95,11 @@ class Parsed:
     request_id: str
     kv_transfer: KvTransfer | None = None
     n: int = 1  # completions of the prompt: vLLM runs each as an engine request of its own
+    more_prompts: tuple[list[int], ...] = ()  # a completions batch's prompts after the first
+
+    @property
+    def prompts(self) -> tuple[list[int], ...]:
+        return (self.prompt_ids, *self.more_prompts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,20 +177,23 @@ def _int_field(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
     return value
 
 
-def _prompt_text(prompt: Any) -> str:
+def _prompt_texts(prompt: Any) -> list[str]:
+    """A completions prompt's texts: one, or each of a batch (a list of texts, or of lists of token
+    ids), which vLLM serves as a request of its own each."""
     if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
+        return [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return " ".join(f"t{t}" for t in prompt)  # token ids map to words one to one
-    raise ApiError(400, "prompt must be a string, a list of one string, or a list of token ids", "prompt")
+        return [" ".join(f"t{t}" for t in prompt)]  # token ids map to words one to one
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return [text for p in prompt for text in _prompt_texts(p)]
+    raise ApiError(400, "prompt must be a string, token ids, or a list of either", "prompt")
 
 
 def parse_request(kind: str, body: Any, served_model: str, max_model_len: int) -> Parsed:
     require_object(body)
     model = body.get("model") or served_model
     check_model(model, served_model)
+    batch: list[str] = []
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -201,9 +209,11 @@ def parse_request(kind: str, body: Any, served_model: str, max_model_len: int) -
     else:
         if "prompt" not in body:
             raise ApiError(400, "prompt is required", "prompt")
-        text = _prompt_text(body["prompt"])
+        texts = _prompt_texts(body["prompt"])
+        text, batch = texts[0], texts[1:]
     prompt_ids = tokenizer.encode(text)
-    if not prompt_ids:
+    more = tuple(tokenizer.encode(t) for t in batch)
+    if not prompt_ids or not all(more):
         raise ApiError(400, "The prompt is empty.", "messages" if kind == "chat" else "prompt")
 
     max_tokens = _int_field(body, "max_completion_tokens", 1)
@@ -212,7 +222,7 @@ def parse_request(kind: str, body: Any, served_model: str, max_model_len: int) -
     n = _int_field(body, "n", -(2**31))
     if n is not None and n < 1:
         raise ApiError(400, f"n must be at least 1, got {n}.")
-    p = len(prompt_ids)
+    p = max(len(ids) for ids in (prompt_ids, *more))  # the longest of a batch decides
     if max_tokens is None:
         # vLLM: chat defaults to "up to max_model_len"; completions default to 16 tokens.
         max_tokens = max(1, max_model_len - p) if kind == "chat" else 16
@@ -262,6 +272,7 @@ def parse_request(kind: str, body: Any, served_model: str, max_model_len: int) -
         request_id=prefix + (rid if isinstance(rid, str) and rid else uuid.uuid4().hex),
         kv_transfer=parse_kv_transfer(body.get("kv_transfer_params")),
         n=n or 1,
+        more_prompts=more,
     )
 
 

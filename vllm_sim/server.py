@@ -120,12 +120,14 @@ class Instance(OtherRoutes):
             await asyncio.sleep(loop.to_wall(cfg.profile.frontend_s + transfer_s))
         finally:
             self.in_frontend -= 1
-        # n completions: vLLM fans the prompt out to n engine requests (ids "i_<id>"), each counted
-        # in its metrics; all but the first find the prompt's blocks in the prefix cache.
+        # n completions of each prompt (a completions batch has several): vLLM fans them out to
+        # engine requests of their own, each counted in its metrics; all but the first of a prompt
+        # find its blocks in the prefix cache. Choice k is completion k % n of prompt k // n.
+        prompts = [ids for ids in parsed.prompts for _ in range(parsed.n)]
         children = [
             Request(
-                request_id=parsed.request_id if parsed.n == 1 else f"{i}_{parsed.request_id}",
-                prompt_ids=parsed.prompt_ids,
+                request_id=parsed.request_id if len(prompts) == 1 else f"{i}_{parsed.request_id}",
+                prompt_ids=ids,
                 max_tokens=parsed.max_tokens,
                 arrival=arrival,
                 ignore_eos=parsed.ignore_eos,
@@ -133,7 +135,7 @@ class Instance(OtherRoutes):
                 cache_salt=parsed.cache_salt,
                 remote_tokens=remote_tokens,
             )
-            for i in range(parsed.n)
+            for i, ids in enumerate(prompts)
         ]
         runs = [(req, loop.submit(req)) for req in children]
         builder = protocol.ResponseBuilder(parsed)
@@ -183,18 +185,20 @@ class Instance(OtherRoutes):
     async def _collect(self, runs: list[Run], builder: protocol.ResponseBuilder) -> web.Response:
         outputs = [await self._drain(req, queue, "prompt") for req, queue in runs]
         reqs = [req for req, _ in runs]
-        usage = self._usage(reqs, sum(len(words) for words, _ in outputs))
+        usage = self._usage(reqs, builder.req.n, sum(len(words) for words, _ in outputs))
         kv = builder.req.kv_transfer
         params = self._kv_transfer_params(reqs[0]) if kv is not None and kv.remote_decode else None
         texts = [(tokenizer.decode_words(words), reason) for words, reason in outputs]
         return json_response(builder.full(texts, usage, params))
 
     @staticmethod
-    def _usage(reqs: list[Request], completion_tokens: int) -> dict[str, Any]:
-        """A request's usage: its prompt once, the tokens of all its completions; cached, the most
-        any of them found (vLLM reports the prompt's hit, not the first completion's miss)."""
-        cached = max(req.cached_tokens or 0 for req in reqs)
-        return protocol.usage(reqs[0].prompt_len, completion_tokens, cached)
+    def _usage(reqs: list[Request], n: int, completion_tokens: int) -> dict[str, Any]:
+        """A request's usage: each prompt once, the tokens of all completions; a prompt's cached
+        tokens, the most any of its n completions found (vLLM reports the prompt's hit, not the first
+        completion's miss)."""
+        prompts = [reqs[i : i + n] for i in range(0, len(reqs), n)]
+        cached = sum(max(r.cached_tokens or 0 for r in same) for same in prompts)
+        return protocol.usage(sum(same[0].prompt_len for same in prompts), completion_tokens, cached)
 
     async def _stream(
         self, request: web.Request, runs: list[Run], builder: protocol.ResponseBuilder
@@ -235,7 +239,7 @@ class Instance(OtherRoutes):
                 if event.word is not None:
                     last[i] = self._observe_token(reqs[i], event, last[i])
                     n += 1
-                    usage = self._usage(reqs, n)
+                    usage = self._usage(reqs, builder.req.n, n)
                     await send(builder.token_chunk(" " + event.word, event.finish_reason, usage, i))
                     if abort_after is not None and n >= abort_after and event.finish_reason is None:
                         self._cut(request)
@@ -243,7 +247,7 @@ class Instance(OtherRoutes):
                     self._finish_metrics(reqs[i])
             else:
                 if builder.req.include_usage:
-                    await send(builder.usage_chunk(self._usage(reqs, n)))
+                    await send(builder.usage_chunk(self._usage(reqs, builder.req.n, n)))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

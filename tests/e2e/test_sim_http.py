@@ -173,7 +173,8 @@ def test_n_completions_are_engine_requests_of_their_own_that_share_the_prompts_b
     """As vLLM 0.32 serves ``n`` (tests/real/test_twin.py compares the counters): n engine
     requests, each counted; the prompt's full blocks are cached when the first is scheduled, so
     the others hit them in the same step; usage counts the prompt once, every completion's tokens,
-    and the prompt's hit. A stream sends each completion's role, then tokens by index."""
+    and the prompt's hit. A stream sends each completion's role, then tokens by index. A completions
+    batch is n completions of each of its prompts."""
     names = ("vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total")
     before = {name: counter(sim, name) for name in names}
     r = client.chat.completions.create(
@@ -197,6 +198,16 @@ def test_n_completions_are_engine_requests_of_their_own_that_share_the_prompts_b
     finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
     assert roles == [0, 1] and sorted(tokens) == [0] * 4 + [1] * 4 and sorted(finished) == [0, 1]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    # A completions batch: n completions of each prompt, each prompt counted once in usage
+    before = counter(sim, names[0])
+    status, body = http_json(
+        "POST",
+        sim + "/v1/completions",
+        {"prompt": ["a b", [1, 2, 3]], "n": 2, "max_tokens": 3, "ignore_eos": True},
+    )
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3], body
+    assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (5, 12)
+    assert counter(sim, names[0]) - before == 4
     for bad in (0, -1):
         status, body = http_json("POST", sim + "/v1/completions", {"prompt": "x", "n": bad})
         assert status == 400 and body["error"]["message"] == f"n must be at least 1, got {bad}.", body

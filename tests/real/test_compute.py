@@ -155,6 +155,11 @@ def test_an_fcfs_server_takes_a_priority_and_ignores_it_and_the_simulator_answer
         assert real['priority 0 then "x"'] == (400, "Bad Request", "body.priority"), real
         assert simulated == real
         assert http_json("GET", sim + "/sim/info")[1]["priorities"] == {"-5": 1, "0": 1, "2": 1, "3": 2}
+        # A completions batch: n completions of each prompt, choice k of prompt k // n
+        batch = {"model": MODEL, "prompt": ["a b", "c d", "e f"], "max_tokens": 2, "n": 2, "ignore_eos": True}
+        answers = [post(url + "/v1/completions", batch)[2] for url in (fcfs_pair[0], sim)]
+        shapes = [([c["index"] for c in a["choices"]], a["usage"]["completion_tokens"]) for a in answers]
+        assert shapes[0] == shapes[1] == ([0, 1, 2, 3, 4, 5], 12), shapes
     finally:
         sup.stop_all()
 
