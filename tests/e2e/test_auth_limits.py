@@ -190,15 +190,10 @@ def stream(url: str, key: str, body: dict[str, Any]) -> tuple[int, int, str]:
     return 200, tokens, text
 
 
-def test_a_stream_is_counted_by_what_it_generated_and_never_outruns_its_keys_budget(
-    stack: Supervisor,
-) -> None:
-    """A plain stream sends no usage, and one without max_tokens generates up to the model's length:
-    a key limited to 1,500 tokens a minute once streamed thousands. Now the gateway gives such a
-    request the key's remaining budget as max_tokens, asks vLLM for the stream's usage (and strips it
-    when the client did not ask), and counts what was generated."""
+def streaming_gateway(stack: Supervisor) -> Gateway:
+    """A gateway whose keys may use 1,500 tokens a minute, over a backend that decodes 20x fast."""
     sim = start_backends(stack, 1, "--max-model-len", "4096", "--time-scale", "20")
-    gw = Gateway(
+    return Gateway(
         stack,
         "gw",
         None,
@@ -207,6 +202,16 @@ def test_a_stream_is_counted_by_what_it_generated_and_never_outruns_its_keys_bud
         decision_timeout_ms=COUNTED_MS,
         extra=keyed(per_key={"tokens_per_minute": 1500}),
     )
+
+
+def test_a_stream_is_counted_by_what_it_generated_and_never_outruns_its_keys_budget(
+    stack: Supervisor,
+) -> None:
+    """A plain stream sends no usage, and one without max_tokens generates up to the model's length:
+    a key limited to 1,500 tokens a minute once streamed thousands. Now the gateway gives such a
+    request the key's remaining budget as max_tokens, asks vLLM for the stream's usage (and strips it
+    when the client did not ask), and counts what was generated."""
+    gw = streaming_gateway(stack)
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "tell a long story"}],
@@ -229,16 +234,7 @@ def test_n_completions_share_what_the_key_has_left(stack: Supervisor) -> None:
     """vLLM generates up to max_tokens for each of a request's n completions. The gateway gave a
     request without max_tokens the key's whole remaining budget, so n = 4 generated four times what
     the key had left; now the budget is shared among them, and all four are counted."""
-    sim = start_backends(stack, 1, "--max-model-len", "4096", "--time-scale", "20")
-    gw = Gateway(
-        stack,
-        "gw",
-        None,
-        sim,
-        1,
-        decision_timeout_ms=COUNTED_MS,
-        extra=keyed(per_key={"tokens_per_minute": 1500}),
-    )
+    gw = streaming_gateway(stack)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "four stories"}], "ignore_eos": True}
     inside_one_window(15.0)
     status, tokens, text = stream(gw.url, KEY_A, {**body, "n": 4})
