@@ -2,8 +2,9 @@
 -- sidecar/kvgate/features.py: both are checked against tests/golden/features.json.
 --
 -- text:   chat -> role .. ":" .. content .. "\n" per message (text parts joined by " ");
---         completions -> the prompt string; responses and embeddings -> their input (a list of
---         messages is read as chat, a string as a prompt), after the instructions as a system message.
+--         completions -> the prompt string (a batch: its texts one after another); responses and
+--         embeddings -> their input (a list of messages is read as chat, a string as a prompt),
+--         after the instructions as a system message.
 -- hashes: h_i = md5(h_{i-1} .. chunk_i), first 16 hex digits, over full CHUNK_BYTES chunks.
 -- key:    session header (h:), the previous response (r:), OpenAI user field (u:), else derived from
 --         leading content (p:).
@@ -118,8 +119,17 @@ local function canonical(body)
         return parts, len, first_user
     end
     local prompt = body.prompt
-    if type(prompt) == "table" and #prompt == 1 then
-        prompt = prompt[1]
+    if type(prompt) == "table" and #prompt > 0 then
+        -- A batch's texts, one after another: the first is a prefix its backend will hold, and the
+        -- bytes of all of them are what the backend prefills.
+        local len = 0
+        for i = 1, #prompt do
+            if type(prompt[i]) ~= "string" then
+                return { "" }, 0, nil
+            end
+            len = len + #prompt[i]
+        end
+        return prompt, len, nil
     end
     prompt = type(prompt) == "string" and prompt or ""
     return { prompt }, #prompt, nil

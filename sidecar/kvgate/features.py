@@ -5,9 +5,9 @@ only them to the sidecar; this module is the Python twin used by the benchmark a
 are checked against ``tests/golden/features.json``.
 
 * ``text``: the prompt's canonical text. Chat: ``role ":" content "\n"`` per message, content parts of
-  type text joined by one space. Completions: the prompt string. Responses and embeddings: their
-  ``input``, read as chat when it is a list of messages or ``instructions`` come with it (as a
-  system message first), else as a prompt.
+  type text joined by one space. Completions: the prompt string (a batch: its texts one after
+  another). Responses and embeddings: their ``input``, read as chat when it is a list of messages
+  or ``instructions`` come with it (as a system message first), else as a prompt.
 * ``hashes``: chained hashes of its full ``CHUNK_BYTES`` chunks, ``h_i = md5(h_{i-1} .. chunk_i)``
   (first 16 hex digits; ``h_0 = md5(chunk_0)``), at most ``MAX_CHUNKS``; they feed the prefix index.
   Beyond 128 KB of prompt the session key, not the index, keeps a conversation together, and the
@@ -126,8 +126,10 @@ def canonical_text(body: Mapping[str, Any]) -> tuple[str, str | None]:
                 first_user = text
         return "".join(parts), first_user
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        # A batch's texts, one after another: the first is a prefix its backend will hold, and the
+        # bytes of all of them are what the backend prefills.
+        prompt = "".join(prompt)
     return (prompt if isinstance(prompt, str) else ""), None
 
 

@@ -122,8 +122,8 @@ def test_the_completions_a_request_asks_for_go_to_the_sidecar_and_too_many_are_r
     stack: Supervisor,
 ) -> None:
     """vLLM runs each of n completions of each prompt of a batch as an engine request: the sidecar
-    hears how many (rate limits count each one's tokens, the in-flight ledger each request), and
-    more than gateway.max_engine_requests is a JSON 400 naming n."""
+    hears how many (rate limits count each one's tokens, the in-flight ledger each request) and the
+    bytes of all the prompts, and more than gateway.max_engine_requests is a JSON 400 naming n."""
     p = Phase(stack, max_engine_requests=12)
     try:
         p.route("ok-a")
@@ -140,6 +140,8 @@ def test_the_completions_a_request_asks_for_go_to_the_sidecar_and_too_many_are_r
         for body, sent in cases:
             status, _, answer = p.post(body)
             assert status == 200 and p.sidecar.decides()[-1]["f"].get("n") == sent, (body, answer)
+        p.post(batch)  # the sidecar counts the prompt bytes of the whole batch (admission, prefill)
+        assert p.sidecar.decides()[-1]["f"]["b"] == len("a bc de f")
         for body in ({**CHAT, "n": 13}, {**batch, "n": 5}, {**CHAT, "n": 0}, {**CHAT, "n": 1.5}):
             status, _, answer = p.post(body)
             assert status == 400 and json.loads(answer)["error"]["param"] == "n", (body, answer)

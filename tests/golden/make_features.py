@@ -77,6 +77,8 @@ CASES = [
     },
     {"name": "completions, short prompt", "body": {"model": "m", "prompt": "short prompt", "max_tokens": 5}},
     {"name": "completions, list of one", "body": {"model": "m", "prompt": [LONG]}},
+    {"name": "completions, a batch of texts", "body": {"model": "m", "prompt": [LONG, "short", LONG]}},
+    {"name": "completions, a batch of token ids", "body": {"model": "m", "prompt": [[1, 2], [3, 4]]}},
     {"name": "empty", "body": {"model": "m", "messages": []}},
     {
         "name": "responses, instructions and a message list",
