@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from vllm_sim import protocol, tokenizer
+from vllm_sim import protocol, responses, tokenizer
 from vllm_sim.facts import error_response, json_response
 from vllm_sim.other_routes import OtherRoutes
 from vllm_sim.realtime import INTERNAL_ERROR
@@ -138,7 +138,7 @@ class Instance(OtherRoutes):
             for i, ids in enumerate(prompts)
         ]
         runs = [(req, loop.submit(req)) for req in children]
-        builder = protocol.ResponseBuilder(parsed)
+        builder = responses.ResponseBuilder(parsed)
         try:
             if parsed.stream:
                 return await self._stream(request, runs, builder)
@@ -182,7 +182,7 @@ class Instance(OtherRoutes):
             "remote_num_tokens": req.prompt_len,
         }
 
-    async def _collect(self, runs: list[Run], builder: protocol.ResponseBuilder) -> web.Response:
+    async def _collect(self, runs: list[Run], builder: responses.ResponseBuilder) -> web.Response:
         outputs = [await self._drain(req, queue, "prompt") for req, queue in runs]
         reqs = [req for req, _ in runs]
         usage = self._usage(reqs, builder.req.n, sum(len(words) for words, _ in outputs))
@@ -198,10 +198,10 @@ class Instance(OtherRoutes):
         completion's miss)."""
         prompts = [reqs[i : i + n] for i in range(0, len(reqs), n)]
         cached = sum(max(r.cached_tokens or 0 for r in same) for same in prompts)
-        return protocol.usage(sum(same[0].prompt_len for same in prompts), completion_tokens, cached)
+        return responses.usage(sum(same[0].prompt_len for same in prompts), completion_tokens, cached)
 
     async def _stream(
-        self, request: web.Request, runs: list[Run], builder: protocol.ResponseBuilder
+        self, request: web.Request, runs: list[Run], builder: responses.ResponseBuilder
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
