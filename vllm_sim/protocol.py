@@ -51,6 +51,7 @@ class ApiError(Exception):
         }
 
 
+NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"
 NOT_AN_OBJECT = "Input should be a valid dictionary or object to extract fields from"
 
 
@@ -177,24 +178,44 @@ def _prompt_texts(prompt: Any) -> list[str]:
     ids), which vLLM serves as a request of its own each."""
     if isinstance(prompt, str):
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if not isinstance(prompt, list):
+        raise ApiError.invalid("prompt", "list_type", "Input should be a valid list", prompt)
+    if not prompt:
+        raise ApiError(400, "You must pass at least one prompt")
+    if isinstance(prompt[0], int) and not isinstance(prompt[0], bool):
+        bad = next((i for i, t in enumerate(prompt) if not isinstance(t, int)), None)
+        if bad is not None:
+            raise ApiError.invalid(
+                f"prompt.{bad}", "int_parsing", "Input should be a valid integer", prompt[bad]
+            )
         return [" ".join(f"t{t}" for t in prompt)]  # token ids map to words one to one
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        return [text for p in prompt for text in _prompt_texts(p)]
-    raise ApiError(400, "prompt must be a string, token ids, or a list of either", "prompt")
+    texts = []
+    for item in prompt:
+        if isinstance(item, list) and not item:
+            raise ApiError(400, "The decoder prompt cannot be empty")
+        if not isinstance(item, str | list):
+            raise ApiError.invalid("prompt", "list_type", "Input should be a valid list", prompt)
+        texts += _prompt_texts(item)
+    return texts
 
 
 def parse_request(kind: str, body: Any, served_model: str, max_model_len: int) -> Parsed:
     require_object(body)
     model = body.get("model") or served_model
+    if not isinstance(model, str):
+        raise ApiError.invalid("model", "string_type", "Input should be a valid string", model)
     check_model(model, served_model)
     batch: list[str] = []
     if kind == "chat":
         messages = body.get("messages")
+        if messages is None:
+            raise ApiError.invalid("messages", "missing", "Field required", body)
         if not isinstance(messages, list):
             raise ApiError.invalid("messages", "list_type", "Input should be a valid list", messages)
         if not messages:
-            raise ApiError(400, "messages must be a non-empty list of messages", "messages")
+            raise ApiError(
+                400, "Cannot apply chat template to an empty conversation. Provide at least one message."
+            )
         if not all(isinstance(m, dict) for m in messages):
             raise ApiError(400, "each message must be an object with role and content", "messages")
         try:
@@ -202,8 +223,8 @@ def parse_request(kind: str, body: Any, served_model: str, max_model_len: int) -
         except ValueError as exc:
             raise ApiError(400, str(exc), "messages") from None
     else:
-        if "prompt" not in body:
-            raise ApiError(400, "prompt is required", "prompt")
+        if body.get("prompt") in (None, ""):
+            raise ApiError(400, NO_PROMPT, "prompt")
         texts = _prompt_texts(body["prompt"])
         text, batch = texts[0], texts[1:]
     prompt_ids = tokenizer.encode(text)
@@ -211,6 +232,10 @@ def parse_request(kind: str, body: Any, served_model: str, max_model_len: int) -
     if not prompt_ids or not all(more):
         raise ApiError(400, "The prompt is empty.", "messages" if kind == "chat" else "prompt")
 
+    t = body.get("temperature")
+    if isinstance(t, int | float) and not isinstance(t, bool) and t < 0:  # vLLM's sampling check
+        got = f"{float(t)}. (parameter=temperature, value={float(t)})"
+        raise ApiError(400, f"temperature must be non-negative, got {got}", "temperature")
     max_tokens = _int_field(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int_field(body, "max_tokens", 1)

@@ -242,6 +242,17 @@ def test_errors_use_vllm_envelope(sim: str) -> None:
     assert status == 400 and "maximum context length is 8192" in body["error"]["message"]
     status, body = http_json("POST", sim + "/v1/completions", {"prompt": "x", "priority": "x"})
     assert status == 400 and body["error"]["param"] == "body.priority"
+    # as vLLM 0.32 answers them (tests/real/test_compute.py holds both to the same): the schema's
+    # "Bad Request" with the field's place, or vLLM's own check
+    for sent, want in (
+        ({"prompt": "x", "temperature": -1}, ("BadRequestError", "temperature")),
+        ({"prompt": []}, ("BadRequestError", None)),
+        ({"prompt": [1, "a"]}, ("Bad Request", "body.prompt.1")),
+        ({"prompt": 5}, ("Bad Request", "body.prompt")),
+        ({"model": 5, "prompt": "x"}, ("Bad Request", "body.model")),
+    ):
+        status, body = http_json("POST", sim + "/v1/completions", sent)
+        assert status == 400 and (body["error"]["type"], body["error"]["param"]) == want, (sent, body)
     status, body = http_json(
         "POST", sim + "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}
     )

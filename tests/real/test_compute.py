@@ -147,8 +147,22 @@ def test_an_fcfs_server_takes_a_priority_and_ignores_it_and_the_simulator_answer
         sent["messages not a list"] = json.dumps({"model": MODEL, "messages": "x"})
         sent["an array"] = "[1]"
         sent["not JSON"] = "{not json"
-        real = {name: send(fcfs_pair[0], body) for name, body in sent.items()}
-        simulated = {name: send(sim, body) for name, body in sent.items()}
+        sent["no messages"] = json.dumps({"model": MODEL})
+        sent["messages []"] = json.dumps({"model": MODEL, "messages": []})
+        sent["model 5"] = json.dumps({"model": 5, "messages": [{"role": "user", "content": "hi"}]})
+        sent["temperature -1"] = start + ', "max_tokens": 2, "temperature": -1}'
+        completions = {  # sent to /v1/completions
+            "prompt: none": {"model": MODEL},
+            'prompt: ""': {"model": MODEL, "prompt": ""},
+            "prompt: 5": {"model": MODEL, "prompt": 5},
+            "prompt: {}": {"model": MODEL, "prompt": {}},
+            "prompt: []": {"model": MODEL, "prompt": []},
+            "prompt: [[]]": {"model": MODEL, "prompt": [[]]},
+            'prompt: [1, "a"]': {"model": MODEL, "prompt": [1, "a"]},
+        }
+        sent.update({name: json.dumps({**body, "max_tokens": 2}) for name, body in completions.items()})
+        real = {name: send(fcfs_pair[0], body, name in completions) for name, body in sent.items()}
+        simulated = {name: send(sim, body, name in completions) for name, body in sent.items()}
         print(json.dumps({"real": real, "sim": simulated}, indent=1))
         taken = ("priority 3", "priority -5", 'priority "3"', "priority 2.0", 'priority "x" then 0')
         assert all(real[name] == (200, None, None) for name in taken), real
@@ -164,9 +178,12 @@ def test_an_fcfs_server_takes_a_priority_and_ignores_it_and_the_simulator_answer
         sup.stop_all()
 
 
-def send(url: str, raw: str) -> tuple[int, str | None, str | None]:
-    """A chat body sent as written (duplicate keys kept): its status, error type and param."""
-    status, _, answer = post(url + "/v1/chat/completions", raw.encode())
+def send(url: str, raw: str, completions: bool = False) -> tuple[int, str | None, str | None]:
+    """A body sent as written (duplicate keys kept) to chat, or completions: its status, error type
+    and param."""
+    status, _, answer = post(
+        url + ("/v1/completions" if completions else "/v1/chat/completions"), raw.encode()
+    )
     if status == 200:
         return status, None, None
     return status, answer["error"]["type"], answer["error"]["param"]
