@@ -266,6 +266,13 @@ Run = tuple[Request, asyncio.Queue[TokenEvent]]
 async def merged(runs: list[Run]) -> AsyncGenerator[tuple[int, TokenEvent]]:
     """The token events of a request's completions in the order their steps made them, each with
     its completion's index, until every completion has finished."""
+    if len(runs) == 1:  # the common case, without a task in between
+        queue = runs[0][1]
+        while True:
+            event = await queue.get()
+            yield 0, event
+            if event.finish_reason is not None:
+                return
     out: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
 
     async def pump(i: int, queue: asyncio.Queue[TokenEvent]) -> None:
@@ -275,21 +282,13 @@ async def merged(runs: list[Run]) -> AsyncGenerator[tuple[int, TokenEvent]]:
             if event.finish_reason is not None:
                 return
 
-    if len(runs) == 1:  # the common case, without a task in between
-        queue = runs[0][1]
-        while True:
-            event = await queue.get()
-            yield 0, event
-            if event.finish_reason is not None:
-                return
     pumps = [asyncio.create_task(pump(i, queue)) for i, (_, queue) in enumerate(runs)]
+    running = len(runs)
     try:
-        for _ in range(len(runs)):  # until each completion's last event
-            while True:
-                i, event = await out.get()
-                yield i, event
-                if event.finish_reason is not None:
-                    break
+        while running:
+            i, event = await out.get()
+            yield i, event
+            running -= event.finish_reason is not None
     finally:
         for task in pumps:
             task.cancel()

@@ -135,8 +135,7 @@ local function read_request(kind, key_name)
     f.client_key = key_name
     f.client_addr = conf.limits and ngx_var.remote_addr or nil
     f.max_tokens = checks.max_tokens(body)
-    local completions = checks.completions(body)
-    f.completions = completions > 1 and completions or nil
+    f.completions = checks.completions(body)
     f.priority = checks.priority(body)
     f.body = checks.tokenizable(body, raw)
     return body, raw, f

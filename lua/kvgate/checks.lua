@@ -136,7 +136,7 @@ function _M.invalid(body, session)
     -- vLLM runs each completion of each prompt as an engine request of its own: one request could
     -- otherwise fill a server, and outrun a token limit that counted it once.
     local most = conf.max_engine_requests
-    if _M.completions(body) > most then
+    if (_M.completions(body) or 1) > most then
         return "`n` times the prompts asks for more than " .. most .. " completions.", "n"
     end
 end
@@ -151,15 +151,16 @@ function _M.max_tokens(body)
     return type(mt) == "number" and mt or nil
 end
 
--- The completions a request asks for, each an engine request in vLLM: `n` of each of its prompts (a
--- completions batch: a list of texts, or of lists of token ids). Call after `n` was checked.
+-- The completions a request asks for when more than one, each an engine request in vLLM: `n` of
+-- each of its prompts (a completions batch: a list of texts, or of lists of token ids); else nil.
+-- Call after `n` was checked.
 function _M.completions(body)
     local n = type(body.n) == "number" and body.n or 1
     local prompt = body.prompt
     if type(prompt) == "table" and type(prompt[1]) ~= "number" and #prompt > 1 then
-        return n * #prompt
+        n = n * #prompt
     end
-    return n
+    return n > 1 and n or nil
 end
 
 -- The priority the client asked for: the body's (vLLM's field), else an X-Priority header.

@@ -150,20 +150,20 @@ def test_with_the_sidecar_gone_the_priority_is_still_forwarded(
     chat = gw.url + "/v1/chat/completions"
     wait_until(lambda: http_json("POST", chat, body, bearer(plain))[0] == 200, timeout=10)
     stack.kill(gw.sidecar.name)
-    # (the headers, the body's own priority, what the backend gets where clients choose, else)
+    # (the headers, the body's own priority, what the backend gets where clients choose, where not)
     cases = (
         ({**bearer(plain), "X-Priority": "3"}, None, 3, 0),  # the client may not choose: class 0
         (bearer(classed), None, 2, 2),
         (bearer(classed), 0, 0, 2),
         (bearer(plain), 3, 3, 0),  # its key's class 0 replaces the 3 it wrote
     )
-    for headers, asked, chosen, classed_only in cases:
+    for headers, asked, if_chosen, if_not in cases:
         before = priorities(gw)
         status, answer = http_json(
             "POST", chat, body if asked is None else {**body, "priority": asked}, headers
         )
         assert status == 200, answer
-        got = chosen if client_priority else classed_only
+        got = if_chosen if client_priority else if_not
         assert priorities(gw) - before == Counter({got: 1}), (headers, asked)
     text = http_json("GET", gw.url + "/kvgate/metrics", None, bearer(plain))[1]
     fell_open = re.findall(r'^kvgate_gateway_failopen_total\{reason="(\w+)"\} (\S+)$', text, re.M)
