@@ -131,57 +131,39 @@ RUNS: tuple[tuple[str, bool, str, int | None], ...] = (
 )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="kvgate-bench fairness",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    p.add_argument("--duration", type=float, default=300.0, help="seconds of the quiet tenant's window")
-    p.add_argument("--flood", type=float, default=3.0, help="the flooding tenant's rate, x the quiet one's")
-    # One window of a trace is one sample of a noisy quantity (a p90 of a few hundred requests past
-    # saturation): a change is judged over several.
-    p.add_argument("--start", type=float, default=0.0, help="where the quiet tenant's window starts (s)")
-    p.add_argument("--gap", type=float, default=1200.0, help="the flood's window starts this much later (s)")
-    p.add_argument("--quick", action="store_true", help="only alone and fair (the goal's two runs)")
-    p.add_argument("--backends", type=int, default=4)
-    p.add_argument("--profile", default="llama3-8b-h100")
-    p.add_argument("--out", default="bench-results/fairness")
-    add_real_args(p)  # through the whole gateway, each tenant under its own API key
-    add_scale_args(p)
-    args = p.parse_args(argv)
-    args.model, args.words = None, "filler"
-    fit_to_real(args)  # the fleet's model and words with --real-vllm
+def window(args: argparse.Namespace, start: float, fleet: Any, out: Path) -> list[dict[str, Any]]:
+    """The runs side by side over the quiet tenant's window from ``start`` s (``RUNS``; with
+    ``--quick`` the goal's two)."""
     reqs, tenants = two_tenants(
         args.trace,
         args.duration,
         args.flood,
         gap=args.gap,
-        start=args.start,
+        start=start,
         words=args.words,
         block=args.trace_block_tokens,
         model=args.model or SIM_MODEL,
         most=args.max_context,
     )
-    out = Path(args.out)
     rows = []
-    with real_fleet(args, out) as fleet:
-        for label, both, order, reserve in RUNS:
-            if args.quick and label not in ("alone", label_of("fair", None)):
-                continue
-            picked = [i for i, t in enumerate(tenants) if both or t == QUIET]
-            these = [dataclasses.replace(reqs[i], rid=n) for n, i in enumerate(picked)]
-            whose = [tenants[i] for i in picked]
-            if fleet:
-                served, refused, failed, notes = fairness_live.replay(
-                    fleet, these, whose, queue_section(order, reserve), label, out
-                )
-                rows.append({**row(label, whose, served, refused, failed), "gateway": notes})
-            else:
-                rows.append(
-                    {**run(these, whose, order, args.backends, args.profile, reserve), "order": label}
-                )
+    for label, both, order, reserve in RUNS:
+        if args.quick and label not in ("alone", label_of("fair", None)):
+            continue
+        picked = [i for i, t in enumerate(tenants) if both or t == QUIET]
+        these = [dataclasses.replace(reqs[i], rid=n) for n, i in enumerate(picked)]
+        whose = [tenants[i] for i in picked]
+        if fleet:
+            served, refused, failed, notes = fairness_live.replay(
+                fleet, these, whose, queue_section(order, reserve), label, out
+            )
+            rows.append({**row(label, whose, served, refused, failed), "gateway": notes})
+        else:
+            rows.append({**run(these, whose, order, args.backends, args.profile, reserve), "order": label})
+    return rows
+
+
+def table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One window's runs, the quiet tenant's p90 against its value alone."""
     alone = rows[0][QUIET]
     lines = [
         "| run | quiet: served / sent | mean | p50 | p90 TTFT (x alone) | flood: served / sent | p90 "
@@ -205,10 +187,80 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{g['fell_open']:.0f} requests fell open to Nginx's ring; the sidecar's loop ran over "
                 f"50 ms late {g['loop_late']:.0f} times and waited {g['cpu_wait_s']:.1f} s for a core"
             )
-    text = "\n".join(lines) + "\n"
+    return lines
+
+
+def summary(windows: Mapping[float, Sequence[Mapping[str, Any]]]) -> list[str]:
+    """Across windows, the goal's figure (the quiet tenant's p90 in the fair run against its value
+    alone) per window, its median and its worst, with the flood's p90 beside it."""
+    label = label_of("fair", None)
+    ratios: list[float] = []
+    lines = [
+        "| window from | quiet p90 alone | fair | x alone | flood p90 | flood served / sent | refused |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for start, rows in windows.items():
+        alone = rows[0][QUIET]["p90"]
+        fair = next(r for r in rows if r["order"] == label)
+        ratios.append(fair[QUIET]["p90"] / alone)
+        f = fair[FLOOD]
+        lines.append(
+            f"| {start:g} s | {alone:.3f} s | {fair[QUIET]['p90']:.3f} s | {ratios[-1]:.2f}x "
+            f"| {f['p90']:.3f} s | {f['served']} / {f['sent']} | {fair['rejected']} |"
+        )
+    lines.append(
+        f"\nquiet p90 x alone over {len(ratios)} windows: median {statistics.median(ratios):.2f}x, "
+        f"worst {max(ratios):.2f}x"
+    )
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="kvgate-bench fairness",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of the quiet tenant's window")
+    p.add_argument("--flood", type=float, default=3.0, help="the flooding tenant's rate, x the quiet one's")
+    # One window of a trace is one sample of a noisy quantity (a p90 of a few hundred requests past
+    # saturation): a change is judged over several.
+    p.add_argument(
+        "--start",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="where the quiet tenant's window starts (s); several: each in turn, then the median and worst",
+    )
+    p.add_argument("--gap", type=float, default=1200.0, help="the flood's window starts this much later (s)")
+    p.add_argument("--quick", action="store_true", help="only alone and fair (the goal's two runs)")
+    p.add_argument("--backends", type=int, default=4)
+    p.add_argument("--profile", default="llama3-8b-h100")
+    p.add_argument("--out", default="bench-results/fairness")
+    add_real_args(p)  # through the whole gateway, each tenant under its own API key
+    add_scale_args(p)
+    args = p.parse_args(argv)
+    args.model, args.words = None, "filler"
+    fit_to_real(args)  # the fleet's model and words with --real-vllm
+    out = Path(args.out)
+    windows: dict[float, list[dict[str, Any]]] = {}
+    with real_fleet(args, out) as fleet:
+        for start in args.start:
+            windows[start] = window(args, start, fleet, out)
+    parts = [
+        ("" if len(windows) == 1 else f"## The window from {start:g} s\n\n") + "\n".join(table(rows))
+        for start, rows in windows.items()
+    ]
+    if len(windows) > 1:
+        parts.append("## Across the windows\n\n" + "\n".join(summary(windows)))
+    text = "\n\n".join(parts) + "\n"
     print(text)
     head = report.header(["fairness", *(sys.argv[1:] if argv is None else argv)])
-    report.write_json(out / "fairness.json", {"header": head, "rows": rows})
+    report.write_json(
+        out / "fairness.json",
+        {"header": head, "windows": [{"start": s, "rows": rows} for s, rows in windows.items()]},
+    )
     (out / "report.md").write_text(f"# Two tenants, one flooding\n\n`{head['command']}`\n\n{text}")
     print(f"wrote {out / 'report.md'}")
     return 0

@@ -5,6 +5,11 @@ inside the engines either."""
 
 from __future__ import annotations
 
+import json
+import statistics
+from pathlib import Path
+
+from kvgate_bench import fairness
 from kvgate_bench.fairness import FLOOD, QUIET, run, two_tenants
 from kvgate_bench.workloads import DEFAULT_TRACE, BenchRequest
 
@@ -34,3 +39,23 @@ def test_a_window_can_start_anywhere_in_the_trace() -> None:
     assert lengths(later, later_tenants, QUIET) == lengths(reqs, tenants, FLOOD)
     assert lengths(later, later_tenants, FLOOD) == lengths(reqs, tenants, QUIET)
     assert lengths(reqs, tenants, QUIET) != lengths(reqs, tenants, FLOOD)
+
+
+def test_several_windows_report_the_goal_figure_per_window_its_median_and_worst(tmp_path: Path) -> None:
+    """``--start`` with several windows: each window's runs, then the quiet tenant's p90 in the fair
+    run against its value alone, per window and as a median and a worst (one window is one sample)."""
+    argv = ["--duration", "20", "--flood", "2", "--quick", "--start", "0", "600", "--out", str(tmp_path)]
+    assert fairness.main(argv) == 0
+    data = json.loads((tmp_path / "fairness.json").read_text())
+    assert [w["start"] for w in data["windows"]] == [0.0, 600.0]
+    ratios = []
+    for w in data["windows"]:
+        alone, fair = w["rows"]
+        assert (alone["order"], fair["order"]) == ("alone", "fair")
+        assert FLOOD not in alone and fair[FLOOD]["served"] > 0
+        ratios.append(fair[QUIET]["p90"] / alone[QUIET]["p90"])
+    text = (tmp_path / "report.md").read_text()
+    assert "## The window from 600 s" in text
+    median, worst = statistics.median(ratios), max(ratios)
+    assert f"over 2 windows: median {median:.2f}x, worst {worst:.2f}x" in text
+    assert f"| 600 s | {data['windows'][1]['rows'][0][QUIET]['p90']:.3f} s |" in text
