@@ -181,3 +181,35 @@ def test_fair_order_keeps_priority_classes_and_arrival_order_within_a_tenant() -
     waiting(q, "a1", key="a", tokens=10)
     waiting(q, "urgent", key="b", priority=-1, tokens=10_000)
     assert order(q) == ["urgent", "a0", "a1"]
+
+
+def test_a_tenant_whose_backlog_waits_still_asks_after_its_arrivals_stop() -> None:
+    """The reserve's test of who is past its share (``past_share``) counts what each tenant has
+    waiting at the gateway whole, beside its decayed arrivals. A flood that stopped arriving a few
+    half-lives ago but still has a backlog waiting is still the one past its share; the quiet tenant,
+    whose steady arrivals now outweigh the flood's decayed ones, is not. The count comes down as the
+    backlog leaves (dispatched, removed or expired), to nothing; the quiet tenant's steady asking
+    is then the larger share."""
+    q, clock = queue(order=DispatchOrder.FAIR, fair_window_s=10.0, max_key_share=1.0, max_wait_s=40.0)
+    flood, quiet = (
+        Features("m", None, "none", (), 400, client_key="flood"),
+        Features("m", None, "none", (), 400, client_key="quiet"),
+    )
+    for i in range(30):  # the flood asks 30 x 100 tokens, 20 of them left waiting
+        q.asked("key:flood", flood.est_tokens)
+        if i >= 10:
+            waiting(q, f"f{i}", key="flood")
+    q.asked("key:quiet", quiet.est_tokens)
+    assert q.past_share(flood) and not q.past_share(quiet)
+    clock.t += 40  # four half-lives later, the quiet tenant has kept asking, the flood has not
+    for _ in range(3):
+        q.asked("key:quiet", quiet.est_tokens)
+    assert q.demand.attained("key:quiet", clock.t) > q.demand.attained("key:flood", clock.t)
+    clock.t += 0.2  # past the active count's refresh
+    assert q.past_share(flood) and not q.past_share(quiet)  # its backlog still asks
+    q.dispatched(q.in_order()[0])
+    q.remove("f11")
+    assert len(q.expired()) == 18 and len(q) == 0  # the rest waited max_wait_s
+    assert q._asking == {}
+    clock.t += 0.2
+    assert q.past_share(quiet) and not q.past_share(flood)  # nothing of the flood's waits now

@@ -17,7 +17,7 @@ every refusal says when to retry.
 
 Several replicas each run their own queue over the same backends. That they do not all pour into
 the slot one freed is the dispatch rule's business: each replica may keep only its share of a
-backend's prefill budget in flight (``kvgate.policies.Snapshot.saturated`` with ``replicas``).
+backend's prefill budget in flight (``kvgate.snapshot.Snapshot.saturated`` with ``replicas``).
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class GatewayQueue:
         self.demand = TenantLedger(config.fair_window_s)
         self._waiting: dict[str, Waiting] = {}
         self._per_key: dict[str, int] = {}  # waiting requests of each API key
+        self._asking: dict[str, int] = {}  # the estimated prompt tokens each tenant has waiting
         self._rate = 0.0  # dispatches per second, smoothed
         self._last_dispatch: float | None = None
 
@@ -105,17 +106,16 @@ class GatewayQueue:
         self._waiting[w.decision_id] = w
         if key is not None:
             self._per_key[key] = self._per_key.get(key, 0) + 1
+        tenant = tenant_of(w.features)
+        self._asking[tenant] = self._asking.get(tenant, 0) + w.features.est_tokens
 
     def _take(self, decision_id: str) -> Waiting | None:
-        """Where a waiting request leaves the queue, and its key's count comes down."""
+        """Where a waiting request leaves the queue, and its key's and its tenant's counts come down."""
         w = self._waiting.pop(decision_id, None)
-        key = None if w is None else w.features.client_key
-        if key is not None:
-            left = self._per_key[key] - 1
-            if left:
-                self._per_key[key] = left
-            else:
-                del self._per_key[key]
+        if w is None:
+            return None
+        _less(self._per_key, w.features.client_key, 1)
+        _less(self._asking, tenant_of(w.features), w.features.est_tokens)
         return w
 
     def remove(self, decision_id: str) -> Waiting | None:
@@ -205,7 +205,7 @@ class GatewayQueue:
         fair order with a reserve (``fair_reserve``): it then leaves room for the others."""
         if self.config.order is not DispatchOrder.FAIR or not self.config.fair_reserve:
             return False
-        return self.demand.over_share(tenant_of(f), self.clock())
+        return self.demand.over_share(tenant_of(f), self.clock(), self._asking)
 
     def asked(self, tenant: str, tokens: int) -> None:
         """A request of ``tenant`` arrived (whether it is routed at once, waits or is refused)."""
@@ -220,3 +220,14 @@ class GatewayQueue:
         if self._rate <= 0:
             return 1
         return max(1, min(60, math.ceil(len(self._waiting) / self._rate)))
+
+
+def _less(counts: dict[str, int], name: str | None, n: int) -> None:
+    """``name``'s count down by ``n``; gone at zero, so the map holds only what waits."""
+    if name is None:
+        return
+    left = counts[name] - n
+    if left > 0:
+        counts[name] = left
+    else:
+        del counts[name]

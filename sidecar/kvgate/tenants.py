@@ -14,11 +14,13 @@ waits inside the backend behind the flood's prefills already admitted there (an 
 prefills it runs before starting a waiting one). So while a tenant asks for more than an equal
 share of the recent demand (``over_share`` of a second ledger, counted as requests arrive), its
 requests go only where they leave room for the others
-(``policies.Snapshot.room_past_share``: little prefill waiting there and KV cache to spare, and
+(``snapshot.Snapshot.room_past_share``: little prefill waiting there and KV cache to spare, and
 ``queue.fair_reserve`` backends clear of prefill with KV cache to spare: a flood's decodes would
 otherwise fill every cache, and a request without KV blocks waits for some). Demand, not service:
 the flood's requests that wait are served less than they ask, and by service alone the quiet tenant
-would then look past its share and wait for the reserve too.
+would then look past its share and wait for the reserve too. For the same reason what a tenant has
+waiting in the gateway queue counts as asked now, whole: a flood whose arrivals stopped still asks
+while its backlog waits.
 
 Bounded: a tenant whose decayed service falls under one token is forgotten when the next one is
 counted, so the map holds about the tenants of the last few windows.
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client.core import GaugeMetricFamily
@@ -80,17 +82,27 @@ class TenantLedger:
             return 0.0
         return s.tokens * math.exp2(-(now - s.at) / self.half_life_s)
 
-    def over_share(self, tenant: str, now: float) -> bool:
+    def over_share(self, tenant: str, now: float, waiting: Mapping[str, int] | None = None) -> bool:
         """Whether ``tenant`` had more than an equal share of the recent total, among the tenants
-        that had at least 1 % of it (when there are two or more)."""
+        that had at least 1 % of it (when there are two or more). ``waiting``: tokens each tenant
+        still asks for now (its requests waiting at the gateway), counted whole beside the decayed
+        past: a flood whose arrivals stopped still asks while its backlog waits. By its decayed
+        arrivals alone the quiet tenant looked past its share a minute later, and then waited at the
+        gateway for the room the flood's backlog kept taking."""
         if len(self._service) < 2:
             return False
+        waiting = waiting or {}
         total = self._total.tokens * math.exp2(-(now - self._total.at) / self.half_life_s)
+        total += sum(waiting.values())
+
+        def asks(t: str) -> float:
+            return self.attained(t, now) + waiting.get(t, 0)
+
         if self._active is None or now - self._active[0] >= SHARE_EVERY_S:
-            active = sum(1 for t in self._service if self.attained(t, now) >= ACTIVE_SHARE * total)
+            active = sum(1 for t in self._service if asks(t) >= ACTIVE_SHARE * total)
             self._active = (now, active)
         active = self._active[1]
-        return active > 1 and self.attained(tenant, now) > total / active
+        return active > 1 and asks(tenant) > total / active
 
     def add(self, tenant: str, tokens: float, now: float) -> None:
         """``tenant`` had a request of ``tokens`` estimated prompt tokens routed (or, for the demand
