@@ -179,7 +179,12 @@ def priorities(gw: Gateway) -> Counter[int]:
     return out
 
 
-def inflight(gw: Gateway) -> tuple[int, int]:
-    """The fleet's requests and prompt tokens in flight, as the gateway's sidecar counts them."""
+def inflight(gw: Gateway) -> tuple[int, int, int]:
+    """The fleet's requests, prompt tokens and KV cache tokens in flight, as the gateway's sidecar
+    counts them."""
     backends = gw.sidecar.backends().values()
-    return sum(b["inflight"] for b in backends), sum(b["inflight_tokens"] for b in backends)
+    return (
+        sum(b["inflight"] for b in backends),
+        sum(b["inflight_tokens"] for b in backends),
+        sum(b["inflight_kv_tokens"] for b in backends),
+    )

@@ -38,6 +38,37 @@ def test_a_request_for_n_completions_counts_as_n_requests_until_its_report() -> 
     run(scenario())
 
 
+def test_the_kv_a_request_may_take_counts_until_its_end_and_moves_with_it() -> None:
+    """Each decision counts the KV cache tokens it may newly take on its backend: the prompt tokens
+    it prefills there and each completion's max_tokens (else queue.fair_output_tokens). The count
+    moves with the decision (its prefill is the new backend's) and comes down at its end or its
+    drop, to zero; its first byte leaves it in place (its blocks stay)."""
+
+    async def scenario() -> None:
+        sc = ready(config(None), None)
+        ledger = sc.registry.ledger
+        three = dataclasses.replace(features(1), completions=3, max_tokens=100)
+        routed = await sc.service.route(three)
+        first = routed.candidates[0].id
+        prefill = ledger.tokens[first]
+        assert prefill > 0 and ledger.kv == {first: prefill + 3 * 100}
+        bare = dataclasses.replace(features(2), max_tokens=None)  # counted as fair_output_tokens
+        other = await sc.service.route(bare)
+        held = sum(ledger.kv.values()) - prefill - 300
+        assert held > sc.config.queue.fair_output_tokens
+        moved_to = routed.candidates[1].id
+        before = ledger.kv.get(moved_to, 0)
+        ledger.move(routed.decision_id, moved_to, 7)
+        assert ledger.kv[moved_to] == before + 7 + 300
+        sc.service.report([Outcome.first(other.decision_id, other.candidates[0].id)])
+        assert sum(ledger.kv.values()) == 7 + 300 + held
+        sc.service.report([Outcome.end(routed.decision_id, moved_to, 200, True, 0.1, 0.5)])
+        sc.service.report([Outcome.drop(other.decision_id)])
+        assert sum(ledger.kv.values()) == 0 and len(ledger) == 0
+
+    run(scenario())
+
+
 def test_inflight_counts_rise_with_decisions_and_end_with_reports() -> None:
     async def scenario() -> None:
         sc = ready(config(None), None)

@@ -6,8 +6,9 @@ from hypothesis import strategies as st
 from kvgate.config import LoadLimits, PolicyName
 from kvgate.features import Features
 from kvgate.load import LoadView
-from kvgate.policies import NodeView, Reason, RebindCause, Request, SessionAction, Snapshot, decide
+from kvgate.policies import Reason, RebindCause, Request, SessionAction, decide
 from kvgate.ring import Ring
+from kvgate.snapshot import NodeView, Snapshot
 
 
 def load(requests: float = 0.0, waiting: float = 0.0, kv: float = 0.1, known: bool = True) -> LoadView:
@@ -134,50 +135,6 @@ def test_a_responses_conversation_stays_on_its_backend_even_saturated() -> None:
     assert d.candidates[0] == "a" and d.session is SessionAction.KEEP
 
 
-def test_gateway_replicas_split_a_backends_prefill_budget_for_dispatch() -> None:
-    """Room to dispatch from the gateway queue: one budget of prefill tokens per backend, shared by
-    the replicas, so replicas that see a backend free up at once cannot pour two budgets into it."""
-    nodes = {"a": NodeView("a", 1.0, load())}
-    limits = LoadLimits(1.25, 8, 0.95, 1000)
-    for replicas, tokens, room in ((1, 600, True), (2, 600, False), (2, 400, True), (1, 1000, False)):
-        s = Snapshot(nodes, Ring({"a": 1.0}), limits, {"a": 1}, {"a": tokens}, replicas)
-        assert s.has_room("a") is room, (replicas, tokens)
-        assert s.saturated("a") is (tokens >= 1000)  # routing's own test ignores the split
-    waiting = Snapshot({"a": NodeView("a", 1.0, load(waiting=9))}, Ring({"a": 1.0}), limits)
-    assert not waiting.has_room("a")  # a backend queueing requests has no room, whatever the tokens
-
-
-def test_a_backend_saturated_by_its_queue_is_admitted_where_the_queue_is_counted_but_not_out_of_kv() -> None:
-    """``bound_admits(queued=True)``, for a placement whose expected first byte counts the queue: a
-    backend queueing (requests waiting, or prefill tokens past the budget) is admitted, one at its KV
-    mark or with requests waiting for free blocks is not, and the load bound still holds."""
-    limits = LoadLimits(1.25, 1, 0.95, 1000)  # the gateway queue's: saturated at one waiting
-    views = {
-        "tokens": load(),
-        "waiting": load(requests=1, waiting=1),
-        "kv": load(kv=0.96),
-        "blocks": replace(load(), kv_short=True),
-        "idle": load(),
-    }
-    nodes = {n: NodeView(n, 1.0, v) for n, v in views.items()}
-    s = Snapshot(nodes, Ring({n: 1.0 for n in nodes}), limits, {}, {"tokens": 2000})
-    plain, queued = s.bound_admits(4.0), s.bound_admits(4.0, queued=True)
-    assert [n for n in nodes if plain(n)] == ["blocks", "idle"]  # its waiting count says the rest
-    assert [n for n in nodes if queued(n)] == ["tokens", "waiting", "idle"]
-    assert [n for n in nodes if s.out_of_kv(n)] == ["kv", "blocks"]
-    assert not s.bound_admits(1.0, queued=True)("waiting")  # over 1.0 x its share of 1 request
-
-
-def test_a_prompt_fits_a_backend_alone_or_within_the_prefill_budget_beside_what_waits_there() -> None:
-    """An engine packs the prefills waiting for it into one step and answers none of them before
-    the step ends: beside prefill already waiting, a request has room only within the budget."""
-    nodes = {"a": NodeView("a", 1.0, load()), "b": NodeView("b", 1.0, load())}
-    limits = LoadLimits(1.25, 8, 0.95, 1000)
-    s = Snapshot(nodes, Ring({"a": 1.0, "b": 1.0}), limits, {"a": 1}, {"a": 600})
-    assert s.fits("a", 400) and not s.fits("a", 401)  # 600 waiting there: the budget is 1,000
-    assert s.fits("b", 30_000)  # nothing waiting: a prompt of any length has the step to itself
-
-
 def test_a_holder_of_nearly_the_whole_prompt_gets_the_looser_bound() -> None:
     """Above load_factor's bound but within holder_load_factor's, a node holding all of a prompt keeps
     it (a second copy elsewhere would cost its whole prefill and evict other work); one holding only
@@ -192,39 +149,3 @@ def test_a_holder_of_nearly_the_whole_prompt_gets_the_looser_bound() -> None:
     for tighter in (1.25, 1.0):  # a holder's bound is never tighter than everyone's
         tight = Snapshot(s.nodes, s.ring, LoadLimits(1.25, 8, 0.95, holder_load_factor=tighter))
         assert decide(PolicyName.KVGATE, whole, tight, 3).candidates[0] != "a"
-
-
-def test_a_tenant_past_its_share_needs_little_prefill_waiting_and_another_backend_clear() -> None:
-    """``room_past_share``: the node's prefill waiting under the budget, and ``reserve`` other nodes
-    with none; a lone node cannot keep one clear, so only the budget applies to it."""
-    limits = LoadLimits(1.25, 8, 0.95, 32_768)
-
-    def room(tokens: dict[str, int], node: str, reserve: int = 1) -> bool:
-        nodes = {n: NodeView(n, 1.0, load()) for n in tokens}
-        s = Snapshot(nodes, Ring({n: 1.0 for n in tokens}), limits, {}, tokens)
-        return s.room_past_share(node, 4_096, reserve)
-
-    assert room({"a": 0, "b": 0}, "a")
-    assert room({"a": 3_000, "b": 0}, "a")
-    assert not room({"a": 5_000, "b": 0}, "a")  # over the budget, far under saturation
-    assert not room({"a": 0, "b": 100}, "a")  # the other one is not clear
-    assert room({"a": 0, "b": 100}, "a", reserve=0)
-    assert room({"a": 0, "b": 100, "c": 0}, "a") and not room({"a": 0, "b": 100, "c": 0}, "a", reserve=2)
-    assert room({"a": 1_000}, "a") and not room({"a": 5_000}, "a")
-
-
-def test_a_tenant_past_its_share_leaves_kv_cache_free_on_its_backend_and_the_reserve() -> None:
-    """``room_past_share`` with ``kv``: a flood's decodes fill every cache, and a request without KV
-    blocks waits for some: the node and the backend kept clear must each have the cache to spare."""
-    limits = LoadLimits(1.25, 8, 0.95, 32_768)
-
-    def room(kv: dict[str, float], node: str, threshold: float = 0.85) -> bool:
-        nodes = {n: NodeView(n, 1.0, load(kv=used)) for n, used in kv.items()}
-        s = Snapshot(nodes, Ring({n: 1.0 for n in kv}), limits, {}, {n: 0 for n in kv})
-        return s.room_past_share(node, 4_096, 1, threshold)
-
-    assert room({"a": 0.5, "b": 0.5}, "a")
-    assert not room({"a": 0.9, "b": 0.5}, "a")  # its own cache nearly full (not yet saturated)
-    assert not room({"a": 0.5, "b": 0.9}, "a")  # the other one cannot be the reserve
-    assert room({"a": 0.5, "b": 0.9, "c": 0.2}, "a")
-    assert room({"a": 0.9, "b": 0.9}, "a", threshold=1.0)  # off

@@ -118,8 +118,8 @@ def test_stale_stats_are_unknown_not_zero() -> None:
 
 
 def test_inflight_counts_between_scrapes() -> None:
-    from kvgate.policies import NodeView, Snapshot
     from kvgate.ring import Ring
+    from kvgate.snapshot import NodeView, Snapshot
 
     s = Scraped(1.0, 0.0, 0.1, None, None, at=0.0)
     nodes = {"a": NodeView("a", 1.0, view(s, now=0.1, stale_after=2.0, unknown_requests=0))}

@@ -48,6 +48,21 @@ def test_others_fields_are_summed_and_ones_own_is_skipped() -> None:
     assert a.counts == {"x": 1, "y": 2} and a.tokens == {"x": 300, "y": 57}
 
 
+def test_the_kv_in_flight_is_shared_and_an_earlier_release_field_counts_none() -> None:
+    """Each replica shares the KV cache tokens its requests in flight may take; a field written by an
+    earlier release (requests and tokens only) is read during a rolling upgrade, with no KV."""
+    me, other = SharedLoad("me"), SharedLoad("other")
+    ledger = InflightLedger(lambda b: True)
+    ledger.start("d0", "x", 100, 0.0, output=800)
+    ledger.start("d1", "y", 0, 0.0, output=50)
+    fields = {"other": other.payload(ledger), "old": json.dumps({"n": 1, "b": {"x": [2, 30]}})}
+    assert me.absorb(fields, now=0.0) == []
+    assert me.counts == {"x": 3, "y": 1} and me.tokens == {"x": 130, "y": 0}
+    assert me.kv == {"x": 900, "y": 50}
+    me.forget()
+    assert me.kv == {}
+
+
 def test_a_replica_whose_field_stops_moving_counts_no_more_and_is_reported_stale() -> None:
     """No clocks compared between hosts: a field is stale when its sequence number has not moved for
     STALE_S of the reader's own time. That is where a dead replica's load comes down."""

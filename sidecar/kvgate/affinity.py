@@ -16,8 +16,9 @@ from typing import Any
 
 from kvgate.config import Config, PolicyName
 from kvgate.metrics import SidecarMetrics
-from kvgate.policies import Decision, Request, SessionAction, Snapshot, decide
+from kvgate.policies import Decision, Request, SessionAction, decide
 from kvgate.sessions import SessionStore
+from kvgate.snapshot import Snapshot
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,11 @@ def describe(registry: Registry, service: DecisionService, now: float) -> list[d
                 "models": sorted(s.models),
                 "inflight": registry.ledger.counts.get(bid, 0),
                 "inflight_tokens": registry.ledger.tokens.get(bid, 0),
+                "inflight_kv_tokens": registry.ledger.kv.get(bid, 0),
                 # what the other gateway replicas have in flight there (kvgate.shared_load)
                 "inflight_other_replicas": registry.shared.counts.get(bid, 0),
                 "inflight_tokens_other_replicas": registry.shared.tokens.get(bid, 0),
+                "inflight_kv_tokens_other_replicas": registry.shared.kv.get(bid, 0),
                 "load": {
                     "known": load.known,
                     "requests": load.requests,

@@ -63,6 +63,10 @@ class Features:
             return self.prompt_bytes // 4  # the exact figure earlier releases used
         return int(self.prompt_bytes / self.bytes_per_token)
 
+    def output_tokens(self, default: int) -> int:
+        """Tokens its completions may write: each ``max_tokens``, else ``default``."""
+        return self.completions * max(0, self.max_tokens if self.max_tokens is not None else default)
+
 
 def utf8(text: str) -> bytes:
     """Bytes of client text for hashing; a lone surrogate passes through as the bytes Nginx saw."""

@@ -36,6 +36,8 @@ class _Entry:
     predicted: float | None = None  # its expected seconds to the first byte, when routed
     decision_id: str = ""
     requests: int = 1  # the engine requests it runs: one per completion (``n``)
+    output: int = 0  # tokens its completions may write (``Features.output_tokens``)
+    kv: int = 0  # KV cache tokens it may newly take there: its uncached prompt and its output
 
 
 class FirstByte(NamedTuple):
@@ -67,6 +69,7 @@ class InflightLedger:
         self._dropped: dict[str, float] = {}  # decision id -> when its drop came
         self.counts: dict[str, int] = {}  # backend -> requests routed, not reported
         self.tokens: dict[str, int] = {}  # backend -> their uncached tokens
+        self.kv: dict[str, int] = {}  # backend -> the KV cache tokens they may newly take there
         self.attention: dict[str, float] = {}  # backend -> those tokens' quadratic part
         # backend -> decisions whose prompt it may have counted without this replica knowing yet
         # (no first byte reported): the token estimate waits for none (``kvgate.tokens``)
@@ -92,14 +95,25 @@ class InflightLedger:
         prompt_bytes: int = 0,
         attention: float = 0.0,
         requests: int = 1,
+        output: int = 0,
     ) -> bool:
         """Count a decision in flight on ``bid`` with ``tokens`` uncached prompt tokens (``attention``:
-        their quadratic part) as ``requests`` engine requests (vLLM runs one per completion); False
-        when Nginx dropped it already (its drop report overtook the decision)."""
+        their quadratic part) as ``requests`` engine requests (vLLM runs one per completion) that
+        may write ``output`` tokens; False when Nginx dropped it already (its drop report overtook
+        the decision)."""
         if self._dropped.pop(decision_id, None) is not None or not self._known(bid):
             return False
         entry = _Entry(
-            bid, tokens, now, model, prompt_bytes, attention, decision_id=decision_id, requests=requests
+            bid,
+            tokens,
+            now,
+            model,
+            prompt_bytes,
+            attention,
+            decision_id=decision_id,
+            requests=requests,
+            output=output,
+            kv=tokens + output,
         )
         entry.work, entry.work_attention = self.ahead(bid, tokens, attention)
         self._count(entry)
@@ -109,6 +123,7 @@ class InflightLedger:
     def _count(self, entry: _Entry) -> None:
         b = entry.backend
         self.counts[b] = self.counts.get(b, 0) + entry.requests
+        self.kv[b] = self.kv.get(b, 0) + entry.kv
         self.tokens[b] = self.tokens.get(b, 0) + entry.tokens
         self.attention[b] = self.attention.get(b, 0.0) + entry.attention
         if entry.prompt_bytes:
@@ -123,6 +138,7 @@ class InflightLedger:
         """Where the counts ``_count`` raised come down: a decision that ended, or moved."""
         b = entry.backend
         self.counts[b] = max(0, self.counts.get(b, 0) - entry.requests)
+        self.kv[b] = max(0, self.kv.get(b, 0) - entry.kv)
         self._reported(entry)
         self._unqueue(entry)
 
@@ -168,6 +184,7 @@ class InflightLedger:
             return
         self._uncount(entry)
         entry.backend, entry.tokens, entry.attention = bid, tokens, attention
+        entry.kv = tokens + entry.output
         entry.work, entry.work_attention = self.ahead(bid, tokens, attention)
         self._count(entry)
 

@@ -44,7 +44,7 @@ class LoadView:
 
 def view(scraped: Scraped | None, now: float, stale_after: float, unknown_requests: float) -> LoadView:
     """A backend's load from its last scrape; ``unknown_requests`` stands in for missing or stale
-    stats. This sidecar's live in-flight counts are added by ``policies.Snapshot.requests``."""
+    stats. This sidecar's live in-flight counts are added by ``snapshot.Snapshot.requests``."""
     if scraped is None or now - scraped.at > stale_after:
         return LoadView(unknown_requests, 0.0, 0.0, False)
     kv = scraped.kv_usage if scraped.kv_usage is not None else 0.0

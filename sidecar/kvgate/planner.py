@@ -28,7 +28,6 @@ from kvgate.policies import (
     Reason,
     Request,
     SessionAction,
-    Snapshot,
     decide,
     placement_admits,
     uncached_tokens,
@@ -39,6 +38,7 @@ from kvgate.registry import Registry
 from kvgate.residency import Residency
 from kvgate.sessions import SessionStore
 from kvgate.slo import Judgement, Verdict, judge
+from kvgate.snapshot import Snapshot
 
 # A Responses turn waits this long for its previous response's report (sent at its first byte).
 RESPONSE_REPORT_WAIT_S = 0.02

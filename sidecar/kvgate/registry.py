@@ -24,9 +24,9 @@ from kvgate.load import LoadView, Scraped, view
 from kvgate.messages import Candidate
 from kvgate.metrics import SidecarMetrics
 from kvgate.outliers import CLIENT_CLOSED, OutlierDetector, OutlierState, failure_reason
-from kvgate.policies import NodeView, Snapshot
 from kvgate.ring import Ring
 from kvgate.shared_load import SharedLoad, Summed
+from kvgate.snapshot import NodeView, Snapshot
 
 logger = logging.getLogger(__name__)
 # A backend that delivered a response (a first byte, a successful end) this recently is alive: health
@@ -274,6 +274,12 @@ class Registry:
             Summed(ledger.tokens, shared.tokens),
             self.replicas,
             ledger.tokens,
+            Summed(ledger.kv, shared.kv),
+            {
+                s.spec.id: s.scraped.kv_blocks * s.scraped.block_size
+                for s in chosen
+                if s.scraped is not None and s.scraped.kv_blocks and s.scraped.block_size
+            },
         )
         self._snapshots[cache_key] = (self._generation, snap)
         return snap

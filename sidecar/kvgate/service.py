@@ -222,7 +222,10 @@ class DecisionService:
 
         primary = decision.candidates[0]
         ledger, own = self.registry.ledger, work(primary)
-        ledger.start(did, primary, own[0], ledger.clock(), f.model, f.prompt_bytes, own[1], f.completions)
+        output = f.output_tokens(self.config.queue.fair_output_tokens)
+        ledger.start(
+            did, primary, own[0], ledger.clock(), f.model, f.prompt_bytes, own[1], f.completions, output
+        )
         if policy is PolicyName.KVGATE and f.key and snap.nodes:
             decision = await self.affinity.settle(f.key, decision, req, snap, policy, plan.confirmed)
             plan = dataclasses.replace(plan, decision=decision)

@@ -67,19 +67,23 @@ class _Seen:
 
 @dataclass(slots=True)
 class SharedLoad:
-    """What this replica knows of the others' in-flight load (``counts`` and ``tokens`` per backend,
-    updated in place so snapshots reading through them stay valid)."""
+    """What this replica knows of the others' in-flight load (``counts``, ``tokens`` and ``kv`` per
+    backend, updated in place so snapshots reading through them stay valid)."""
 
     me: str
     counts: dict[str, int] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
+    kv: dict[str, int] = field(default_factory=dict)
     _seq: int = 0
     _seen: dict[str, _Seen] = field(default_factory=dict)
 
     def payload(self, ledger: InflightLedger) -> str:
-        """This replica's field: its sequence number and, per backend, its requests and tokens."""
+        """This replica's field: its sequence number and, per backend, its requests, their prefill
+        tokens and the KV cache tokens they may hold."""
         self._seq += 1
-        backends = {b: [n, ledger.tokens.get(b, 0)] for b, n in ledger.counts.items() if n > 0}
+        backends = {
+            b: [n, ledger.tokens.get(b, 0), ledger.kv.get(b, 0)] for b, n in ledger.counts.items() if n > 0
+        }
         return json.dumps({"n": self._seq, "b": backends}, separators=(",", ":"))
 
     def absorb(self, fields: Mapping[Any, bytes | str], now: float) -> list[str]:
@@ -87,6 +91,7 @@ class SharedLoad:
         str); returns the fields found stale (or malformed), for the caller to delete."""
         counts: dict[str, int] = {}
         tokens: dict[str, int] = {}
+        kv: dict[str, int] = {}
         stale: list[str] = []
         present: set[str] = set()
         for raw_name, raw in fields.items():
@@ -105,27 +110,29 @@ class SharedLoad:
             if now - seen.changed > STALE_S:
                 stale.append(name)  # kept in _seen while it is in the hash: stale until it moves
                 continue
-            for b, (n, t) in backends.items():
+            for b, (n, t, k) in backends.items():
                 counts[b] = counts.get(b, 0) + n
                 tokens[b] = tokens.get(b, 0) + t
+                kv[b] = kv.get(b, 0) + k
         for gone in set(self._seen) - present:
             del self._seen[gone]
-        self._replace(counts, tokens)
+        self._replace(counts, tokens, kv)
         return stale
 
     def forget(self) -> None:
         """Redis cannot be read: the others' load is unknown, so it counts as none (as with one replica)."""
         self._seen.clear()
-        self._replace({}, {})
+        self._replace({}, {}, {})
 
-    def _replace(self, counts: dict[str, int], tokens: dict[str, int]) -> None:
-        self.counts.clear()
-        self.counts.update(counts)
-        self.tokens.clear()
-        self.tokens.update(tokens)
+    def _replace(self, counts: dict[str, int], tokens: dict[str, int], kv: dict[str, int]) -> None:
+        for mine, theirs in ((self.counts, counts), (self.tokens, tokens), (self.kv, kv)):
+            mine.clear()
+            mine.update(theirs)
 
 
-def _parse(raw: bytes | str) -> tuple[int, dict[str, tuple[int, int]]] | None:
+def _parse(raw: bytes | str) -> tuple[int, dict[str, tuple[int, int, int]]] | None:
+    """A replica's field; one of an earlier release (requests and tokens, no KV) counts no KV, so a
+    rolling upgrade reads both."""
     if len(raw) > MAX_FIELD_BYTES:
         return None
     try:
@@ -134,12 +141,12 @@ def _parse(raw: bytes | str) -> tuple[int, dict[str, tuple[int, int]]] | None:
         backends = doc["b"]
         if not isinstance(seq, int) or not isinstance(backends, dict):
             return None
-        out: dict[str, tuple[int, int]] = {}
-        for b, pair in backends.items():
-            n, t = pair
-            if not isinstance(n, int) or not isinstance(t, int):
+        out: dict[str, tuple[int, int, int]] = {}
+        for b, counted in backends.items():
+            n, t, k = (*counted, 0) if len(counted) == 2 else counted
+            if not all(isinstance(x, int) for x in (n, t, k)):
                 return None
-            out[b] = (max(0, n), max(0, t))
+            out[b] = (max(0, n), max(0, t), max(0, k))
         return seq, out
     except (ValueError, KeyError, TypeError):
         return None

@@ -91,7 +91,7 @@ def test_every_count_returns_to_zero_after_a_storm(stack: Supervisor) -> None:
     for i in (1, 2):
         assert http_json("DELETE", f"http://127.0.0.1:{sim + i}/sim/faults")[0] == 200
     idle_at = time.monotonic()
-    wait_until(lambda: inflight(gw) == (0, 0), timeout=2.0)
+    wait_until(lambda: inflight(gw) == (0, 0, 0), timeout=2.0)
     assert time.monotonic() - idle_at <= 2.0
     metrics = http_json("GET", gw.sidecar.http + "/metrics")[1]
     assert "kvgate_decisions_dropped_total" in metrics

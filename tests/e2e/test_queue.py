@@ -78,7 +78,7 @@ def metric(gw: Gateway, name: str) -> float:
 
 
 def idle(gw: Gateway) -> Callable[[], bool]:
-    return lambda: inflight(gw) == (0, 0) and metric(gw, "kvgate_queue_depth") == 0
+    return lambda: inflight(gw) == (0, 0, 0) and metric(gw, "kvgate_queue_depth") == 0
 
 
 def test_a_burst_waits_at_the_gateway_and_every_request_is_served(stack: Supervisor) -> None:

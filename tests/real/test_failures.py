@@ -35,7 +35,9 @@ def open_stream(port: int, body: dict[str, object], session: str) -> tuple[socke
 
 
 def idle(gw: Gateway) -> bool:
-    return all(b["inflight"] == 0 and b["inflight_tokens"] == 0 for b in gw.backends().values())
+    return all(
+        b["inflight"] == b["inflight_tokens"] == b["inflight_kv_tokens"] == 0 for b in gw.backends().values()
+    )
 
 
 def test_a_client_that_leaves_mid_stream_ends_the_engines_request_within_a_second(

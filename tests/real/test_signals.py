@@ -90,7 +90,8 @@ def test_a_burst_shows_in_the_backends_load_and_falls_back(kvgate: Gateway, toke
     assert done == [200] * 8
     wait_until(
         lambda: all(
-            b["load"]["requests"] == 0 and b["inflight"] == 0 and b["inflight_tokens"] == 0
+            b["load"]["requests"] == 0
+            and b["inflight"] == b["inflight_tokens"] == b["inflight_kv_tokens"] == 0
             for b in kvgate.backends().values()
         ),
         timeout=5,

@@ -96,7 +96,15 @@ class QueueConfig:
         1.0,
         "fair: and only to a backend whose KV cache is less used than this, the reserve's backends "
         "too, so that the others' next request finds KV blocks free (a flood's decodes fill every "
-        "cache); 1: off",
+        "cache), counting what the requests in flight there may newly take (the prompt they "
+        "prefill, max_tokens each) when that is more than the last scrape saw; 1: off",
+    )
+    fair_output_tokens: int = whole(
+        512,
+        1,
+        1_000_000,
+        "fair: the output a request that sets no max_tokens is counted as writing, in what the "
+        "requests in flight on a backend may take of its KV cache (fair_kv)",
     )
     client_priority: bool = flag(False, "honour priorities clients send (body priority, X-Priority)")
     forward_priority: bool = flag(
