@@ -48,17 +48,22 @@ def test_others_fields_are_summed_and_ones_own_is_skipped() -> None:
     assert a.counts == {"x": 1, "y": 2} and a.tokens == {"x": 300, "y": 57}
 
 
-def test_the_kv_in_flight_is_shared_and_an_earlier_release_field_counts_none() -> None:
-    """Each replica shares the KV cache tokens its requests in flight may take; a field written by an
-    earlier release (requests and tokens only) is read during a rolling upgrade, with no KV."""
+def test_the_kv_in_flight_is_shared_and_fields_of_an_earlier_release_read_both_ways() -> None:
+    """Each replica shares the KV cache tokens its requests in flight may take, under a key of its
+    own: a field written by an earlier release (requests and tokens only) reads as no KV, and an
+    earlier release's reading of a new field (its ``n`` and ``b``) still finds what it knew."""
     me, other = SharedLoad("me"), SharedLoad("other")
     ledger = InflightLedger(lambda b: True)
     ledger.start("d0", "x", 100, 0.0, output=800)
     ledger.start("d1", "y", 0, 0.0, output=50)
-    fields = {"other": other.payload(ledger), "old": json.dumps({"n": 1, "b": {"x": [2, 30]}})}
+    new = other.payload(ledger)
+    assert json.loads(new)["b"] == {"x": [1, 100], "y": [1, 0]}  # the earlier release's shape
+    fields = {"other": new, "old": json.dumps({"n": 1, "b": {"x": [2, 30]}})}
     assert me.absorb(fields, now=0.0) == []
     assert me.counts == {"x": 3, "y": 1} and me.tokens == {"x": 130, "y": 0}
     assert me.kv == {"x": 900, "y": 50}
+    bad = json.dumps({"n": 1, "b": {"x": [1, 1]}, "k": {"x": "many"}})
+    assert me.absorb({"bad": bad}, now=0.0) == ["bad"]
     me.forget()
     assert me.kv == {}
 

@@ -78,13 +78,14 @@ class SharedLoad:
     _seen: dict[str, _Seen] = field(default_factory=dict)
 
     def payload(self, ledger: InflightLedger) -> str:
-        """This replica's field: its sequence number and, per backend, its requests, their prefill
-        tokens and the KV cache tokens they may hold."""
+        """This replica's field: its sequence number and, per backend, its requests and their prefill
+        tokens (``b``) and the KV cache tokens they may take (``k``: a key of its own, which a
+        replica of an earlier release skips, so a rolling upgrade reads every field both ways)."""
         self._seq += 1
-        backends = {
-            b: [n, ledger.tokens.get(b, 0), ledger.kv.get(b, 0)] for b, n in ledger.counts.items() if n > 0
-        }
-        return json.dumps({"n": self._seq, "b": backends}, separators=(",", ":"))
+        live = [b for b, n in ledger.counts.items() if n > 0]
+        backends = {b: [ledger.counts[b], ledger.tokens.get(b, 0)] for b in live}
+        kv = {b: ledger.kv.get(b, 0) for b in live}
+        return json.dumps({"n": self._seq, "b": backends, "k": kv}, separators=(",", ":"))
 
     def absorb(self, fields: Mapping[Any, bytes | str], now: float) -> list[str]:
         """Replace the others' load by what the hash holds now (field names as bytes from Redis, or
@@ -131,19 +132,20 @@ class SharedLoad:
 
 
 def _parse(raw: bytes | str) -> tuple[int, dict[str, tuple[int, int, int]]] | None:
-    """A replica's field; one of an earlier release (requests and tokens, no KV) counts no KV, so a
-    rolling upgrade reads both."""
+    """A replica's field; one of an earlier release (no ``k``) counts no KV."""
     if len(raw) > MAX_FIELD_BYTES:
         return None
     try:
         doc = json.loads(raw)
         seq = doc["n"]
         backends = doc["b"]
-        if not isinstance(seq, int) or not isinstance(backends, dict):
+        kv = doc.get("k", {})
+        if not isinstance(seq, int) or not isinstance(backends, dict) or not isinstance(kv, dict):
             return None
         out: dict[str, tuple[int, int, int]] = {}
-        for b, counted in backends.items():
-            n, t, k = (*counted, 0) if len(counted) == 2 else counted
+        for b, pair in backends.items():
+            n, t = pair
+            k = kv.get(b, 0)
             if not all(isinstance(x, int) for x in (n, t, k)):
                 return None
             out[b] = (max(0, n), max(0, t), max(0, k))
