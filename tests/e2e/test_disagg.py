@@ -90,7 +90,7 @@ def test_the_prefill_leg_runs_on_the_prefiller_and_the_decoder_reads_its_kv(pd: 
     # A prompt never seen before arrives at the decoder with its KV computed: the prefill leg's.
     assert cached >= 1400  # all but the last partial block
     assert pd.requests(0) == 1  # the prefill leg, one token
-    wait_until(lambda: inflight(pd.gw) == (0, 0), timeout=2)
+    wait_until(lambda: inflight(pd.gw) == (0, 0, 0), timeout=2)
 
 
 def test_a_failing_prefiller_means_co_located_service_never_an_error(pd: PD) -> None:
@@ -102,7 +102,7 @@ def test_a_failing_prefiller_means_co_located_service_never_an_error(pd: PD) -> 
     wait_until(lambda: refuses(pd.sim), timeout=5)
     route, _, cached = pd.chat(3)
     assert route.endswith("/colocated") and cached == 0
-    wait_until(lambda: inflight(pd.gw) == (0, 0), timeout=2)
+    wait_until(lambda: inflight(pd.gw) == (0, 0, 0), timeout=2)
 
 
 def test_a_decoder_failing_before_its_first_byte_is_retried_on_the_other(pd: PD) -> None:

@@ -251,7 +251,7 @@ def test_a_backend_failing_every_request_is_never_seen_by_clients(fresh: Env, st
     # A 500 is the backend's failure (counted towards its ejection); a 429 is only its refusal.
     errors = fresh.gw.sidecar.backends()["sim-0"]["errors"]
     assert errors >= 1 if status == 500 else errors == 0
-    wait_until(lambda: inflight(fresh.gw) == (0, 0), timeout=2)
+    wait_until(lambda: inflight(fresh.gw) == (0, 0, 0), timeout=2)
 
 
 def test_backend_aborting_mid_stream_gives_a_clean_error_and_no_hang(fresh: Env) -> None:

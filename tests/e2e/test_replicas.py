@@ -32,6 +32,15 @@ def counts(gw: Gateway) -> tuple[int, int]:
     return sum(b["inflight"] for b in backends), sum(b["inflight_other_replicas"] for b in backends)
 
 
+def kv(gw: Gateway) -> tuple[int, int]:
+    """The same for the KV cache tokens those requests may take."""
+    backends = gw.sidecar.backends().values()
+    return (
+        sum(b["inflight_kv_tokens"] for b in backends),
+        sum(b["inflight_kv_tokens_other_replicas"] for b in backends),
+    )
+
+
 def wait_until(check: Callable[[], bool], within: float) -> bool:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -64,10 +73,14 @@ def test_a_stream_through_one_replica_counts_on_the_other_and_ends_at_zero(env: 
     try:
         assert wait_until(lambda: counts(gw1) == (0, 1), 3.0), counts(gw1)
         assert counts(gw0)[0] == 1
+        # Its KV (what it prefills there, and its 400 tokens of output) reaches the other replica too.
+        assert wait_until(lambda: kv(gw1)[1] == kv(gw0)[0] >= 400, 3.0), (kv(gw0), kv(gw1))
     finally:
         t.join(30)
     assert not errors and not t.is_alive()
-    assert wait_until(lambda: counts(gw0) == (0, 0) and counts(gw1) == (0, 0), 3.0), (
+    assert wait_until(lambda: counts(gw0) == counts(gw1) == kv(gw0) == kv(gw1) == (0, 0), 3.0), (
         counts(gw0),
         counts(gw1),
+        kv(gw0),
+        kv(gw1),
     )
