@@ -26,6 +26,15 @@ def test_requests_waiting_for_kv_blocks_mark_the_backend_short() -> None:
     assert not view(scraped(1, 1, 0.9, waiting_for_kv=0), 100.0, 2.0, 0.0).kv_short
 
 
+def test_the_kv_cache_size_is_its_blocks_times_their_size_and_outlives_a_stale_scrape() -> None:
+    """``kv_tokens`` from vllm:cache_config_info (0 where a backend exports none); the size is a
+    fixed fact, so a stale scrape keeps it while its load becomes unknown."""
+    sized = scraped(1, 0, 0.2, block_size=128, kv_blocks=256)
+    assert view(sized, 100.0, 2.0, 0.0).kv_tokens == 32_768
+    assert view(sized, 200.0, 2.0, 0.0).kv_tokens == 32_768
+    assert view(scraped(1, 0, 0.2), 100.0, 2.0, 0.0).kv_tokens == 0
+
+
 def test_spare_capacity_falls_with_requests_and_kv_usage() -> None:
     idle = view(scraped(0, 0, 0.0), 100.0, 2.0, 0.0)
     busy = view(scraped(3, 0, 0.5), 100.0, 2.0, 0.0)

@@ -97,16 +97,15 @@ def test_a_tenant_past_its_share_leaves_kv_cache_free_on_its_backend_and_the_res
 def test_a_tenant_past_its_share_counts_the_kv_its_requests_in_flight_may_take() -> None:
     """``kv_committed``: between scrapes, and as they decode after one, the requests in flight grow
     into the cache; the KV they may take (``inflight_kv``: uncached prompt and output) over the
-    backend's cache (``kv_capacity``) counts when it is more than the last scrape saw, for the node
+    backend's cache (``LoadView.kv_tokens``) counts when it is more than the last scrape saw, for the node
     and the reserve. A backend that exports no cache size is read by its scrape alone."""
     limits = LoadLimits(1.25, 8, 0.95, 32_768)
 
     def snapshot(scraped: dict[str, float], held: dict[str, int], capacity: dict[str, int]) -> Snapshot:
-        nodes = {n: NodeView(n, 1.0, load(kv=used)) for n, used in scraped.items()}
+        views = {n: replace(load(kv=used), kv_tokens=capacity.get(n, 0)) for n, used in scraped.items()}
+        nodes = {n: NodeView(n, 1.0, v) for n, v in views.items()}
         zero = {n: 0 for n in scraped}
-        return Snapshot(
-            nodes, Ring(dict.fromkeys(scraped, 1.0)), limits, {}, zero, inflight_kv=held, kv_capacity=capacity
-        )
+        return Snapshot(nodes, Ring(dict.fromkeys(scraped, 1.0)), limits, {}, zero, inflight_kv=held)
 
     cap = {"a": 10_000, "b": 10_000}
     s = snapshot({"a": 0.3, "b": 0.3}, {"a": 9_000}, cap)

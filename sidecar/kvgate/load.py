@@ -36,6 +36,7 @@ class LoadView:
     waiting: float
     known: bool
     kv_short: bool = False  # requests wait there for free KV blocks (preemption is likely)
+    kv_tokens: int = 0  # the KV cache's size in tokens, where the backend exports it (else 0)
 
     def saturated(self, max_waiting: int, max_kv: float) -> bool:
         # Unknown load is not saturation: stale stats must not make every session move.
@@ -45,11 +46,14 @@ class LoadView:
 def view(scraped: Scraped | None, now: float, stale_after: float, unknown_requests: float) -> LoadView:
     """A backend's load from its last scrape; ``unknown_requests`` stands in for missing or stale
     stats. This sidecar's live in-flight counts are added by ``snapshot.Snapshot.requests``."""
-    if scraped is None or now - scraped.at > stale_after:
+    if scraped is None:
         return LoadView(unknown_requests, 0.0, 0.0, False)
+    size = (scraped.kv_blocks or 0) * (scraped.block_size or 0)  # a fixed fact: kept when stale
+    if now - scraped.at > stale_after:
+        return LoadView(unknown_requests, 0.0, 0.0, False, kv_tokens=size)
     kv = scraped.kv_usage if scraped.kv_usage is not None else 0.0
     short = bool(scraped.waiting_for_kv)
-    return LoadView(scraped.running + scraped.waiting, kv, scraped.waiting, True, short)
+    return LoadView(scraped.running + scraped.waiting, kv, scraped.waiting, True, short, size)
 
 
 def spare_capacity(weight: float, load: LoadView) -> float:

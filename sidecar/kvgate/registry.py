@@ -275,11 +275,6 @@ class Registry:
             self.replicas,
             ledger.tokens,
             Summed(ledger.kv, shared.kv),
-            {
-                s.spec.id: s.scraped.kv_blocks * s.scraped.block_size
-                for s in chosen
-                if s.scraped is not None and s.scraped.kv_blocks and s.scraped.block_size
-            },
         )
         self._snapshots[cache_key] = (self._generation, snap)
         return snap

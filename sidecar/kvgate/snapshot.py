@@ -37,10 +37,8 @@ class Snapshot:
     replicas: int = 1  # gateway replicas sharing these backends (the gateway queue's dispatch share)
     own_tokens: Mapping[str, int] | None = None
     # The KV cache tokens the requests in flight may newly take (the prompt tokens they prefill
-    # there, the output they may write; every replica's, as last shared), and each backend's KV
-    # cache in tokens where it exports its size.
+    # there, the output they may write; every replica's, as last shared).
     inflight_kv: Mapping[str, int] = field(default_factory=dict)
-    kv_capacity: Mapping[str, int] = field(default_factory=dict)
 
     total_weight: float = field(init=False, default=1.0)
 
@@ -106,9 +104,10 @@ class Snapshot:
         until the cache ran out and the others' next prompt waited seconds for blocks. The prompt
         tokens a request finds cached are not counted: counting them held the flood back more and
         measured worse (docs/benchmarks.md, "The flood's KV in flight")."""
-        used = self.nodes[node].load.kv_usage
-        capacity = self.kv_capacity.get(node, 0)
-        return max(used, self.inflight_kv.get(node, 0) / capacity) if capacity else used
+        load = self.nodes[node].load
+        if not load.kv_tokens:  # the backend does not export its cache's size
+            return load.kv_usage
+        return max(load.kv_usage, self.inflight_kv.get(node, 0) / load.kv_tokens)
 
     def out_of_kv(self, node: str) -> bool:
         """Full in a way no count of queued work can see: KV cache at the saturation mark, or
