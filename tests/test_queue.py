@@ -183,33 +183,57 @@ def test_fair_order_keeps_priority_classes_and_arrival_order_within_a_tenant() -
     assert order(q) == ["urgent", "a0", "a1"]
 
 
-def test_a_tenant_whose_backlog_waits_still_asks_after_its_arrivals_stop() -> None:
-    """The reserve's test of who is past its share (``past_share``) counts what each tenant has
-    waiting at the gateway whole, beside its decayed arrivals. A flood that stopped arriving a few
-    half-lives ago but still has a backlog waiting is still the one past its share; the quiet tenant,
-    whose steady arrivals now outweigh the flood's decayed ones, is not. The count comes down as the
-    backlog leaves (dispatched, removed or expired), to nothing; the quiet tenant's steady asking
-    is then the larger share."""
+def test_a_flood_whose_backlog_is_served_after_its_arrivals_stop_stays_past_its_share() -> None:
+    """The reserve's test of who is past its share (``past_share``) counts each tenant's recent
+    service and what it has waiting at the gateway, whole. A flood that stopped arriving four
+    half-lives ago but still has a backlog waiting is past its share; the quiet tenant, whose steady
+    service now outweighs the flood's decayed service, is not. As the backlog is dispatched it is
+    the flood's recent service, so the flood stays past its share (judged by its arrivals, decayed,
+    the quiet tenant was, and waited for the room that backlog took). What leaves unserved
+    (removed, expired) counts no more, and as the flood's service decays the quiet tenant's steady
+    one is the larger share."""
     q, clock = queue(order=DispatchOrder.FAIR, fair_window_s=10.0, max_key_share=1.0, max_wait_s=40.0)
     flood, quiet = (
         Features("m", None, "none", (), 400, client_key="flood"),
         Features("m", None, "none", (), 400, client_key="quiet"),
     )
-    for i in range(30):  # the flood asks 30 x 100 tokens, 20 of them left waiting
-        q.asked("key:flood", flood.est_tokens)
-        if i >= 10:
-            waiting(q, f"f{i}", key="flood")
-    q.asked("key:quiet", quiet.est_tokens)
+    for _ in range(10):  # the flood has 10 requests of 100 tokens served, 20 left waiting
+        q.served("key:flood", flood.est_tokens)
+    for i in range(20):
+        waiting(q, f"f{i}", key="flood")
+    q.served("key:quiet", quiet.est_tokens)
     assert q.past_share(flood) and not q.past_share(quiet)
-    clock.t += 40  # four half-lives later, the quiet tenant has kept asking, the flood has not
+    clock.t += 40  # four half-lives later: the quiet tenant is still served, the flood's backlog waits
     for _ in range(3):
-        q.asked("key:quiet", quiet.est_tokens)
-    assert q.demand.attained("key:quiet", clock.t) > q.demand.attained("key:flood", clock.t)
+        q.served("key:quiet", quiet.est_tokens)
+    assert q.tenants.attained("key:quiet", clock.t) > q.tenants.attained("key:flood", clock.t)
     clock.t += 0.2  # past the active count's refresh
     assert q.past_share(flood) and not q.past_share(quiet)  # its backlog still asks
-    q.dispatched(q.in_order()[0])
-    q.remove("f11")
-    assert len(q.expired()) == 18 and len(q) == 0  # the rest waited max_wait_s
+    for w in q.in_order()[:10]:  # half the backlog is served now
+        q.dispatched(w)
+        q.served("key:flood", w.features.est_tokens)
+    clock.t += 0.2
+    assert q.past_share(flood) and not q.past_share(quiet)
+    q.remove("f10")
+    assert len(q.expired()) == 9 and len(q) == 0  # the rest waited max_wait_s
     assert q._asking == {}
     clock.t += 0.2
-    assert q.past_share(quiet) and not q.past_share(flood)  # nothing of the flood's waits now
+    assert q.past_share(flood) and not q.past_share(quiet)  # what it was served still counts
+    clock.t += 20  # two half-lives more, the quiet tenant still served
+    for _ in range(3):
+        q.served("key:quiet", quiet.est_tokens)
+    assert q.past_share(quiet) and not q.past_share(flood)
+
+
+def test_a_tenant_with_requests_waiting_and_none_served_counts_for_the_share() -> None:
+    """A flood whose first requests all wait (none served yet) is already the one past its share."""
+    q, _ = queue(order=DispatchOrder.FAIR, max_key_share=1.0)
+    flood, quiet = (
+        Features("m", None, "none", (), 400, client_key="flood"),
+        Features("m", None, "none", (), 400, client_key="quiet"),
+    )
+    q.served("key:quiet", quiet.est_tokens)
+    assert not q.past_share(quiet)  # alone
+    for i in range(5):
+        waiting(q, f"f{i}", key="flood")
+    assert q.past_share(flood) and not q.past_share(quiet)

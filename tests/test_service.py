@@ -195,11 +195,12 @@ def test_a_tenant_past_its_share_leaves_a_backend_clear_for_the_others() -> None
 
 def test_a_quiet_tenant_served_more_than_a_waiting_flood_is_neither_past_its_share_nor_held() -> None:
     """The flood asks for more than the quiet tenant but, its requests waiting at the gateway, has
-    been served less. Past its share is judged on what each asks: the quiet tenant is not, the flood
-    is. And a flood's request first in the fair order (the least served) that may not take the room
-    it finds holds back only the flood's later requests: the quiet tenant's request behind it
-    takes that room. Judged by service, the quiet tenant was past its share and waited for the
-    reserve; and the flood's request held back everyone behind it."""
+    been served less. Past its share is judged on the service each had and what it has waiting,
+    whole: the quiet tenant is not, the flood is. And a flood's request first in the fair order
+    (the least served) that may not take the room it finds holds back only the flood's later
+    requests: the quiet tenant's request behind it takes that room. Judged by service alone, the
+    quiet tenant was past its share and waited for the reserve; and the flood's request held back
+    everyone behind it."""
     import dataclasses
 
     from kvgate.service import Queued

@@ -185,8 +185,8 @@ class SidecarMetrics:
         )
         self.tenant_past_share = Counter(
             "kvgate_tenant_past_share_queued",
-            "Requests queued while their tenant asked for more than an equal share of the recent demand, "
-            "so that backends stay clear for the others (queue.fair_reserve).",
+            "Requests queued while their tenant took more than an equal share (its recent service and "
+            "its requests waiting), so that backends stay clear for the others (queue.fair_reserve).",
             ["tenant"],
             registry=r,
         )

@@ -75,13 +75,10 @@ class GatewayQueue:
         self.config = config
         self.clock = clock
         self.tenants = TenantLedger(config.fair_window_s)  # service per tenant, for the fair order
-        # What each tenant asked for (counted on arrival, routed or not), for the reserve: a tenant
-        # whose requests wait at the gateway is served less than it asks, and by service alone a
-        # quiet tenant then looks past its share of what was served while the flood waits.
-        self.demand = TenantLedger(config.fair_window_s)
         self._waiting: dict[str, Waiting] = {}
         self._per_key: dict[str, int] = {}  # waiting requests of each API key
-        self._asking: dict[str, int] = {}  # the estimated prompt tokens each tenant has waiting
+        # The estimated prompt tokens each tenant has waiting: what it still asks for (the reserve)
+        self._asking: dict[str, int] = {}
         self._rate = 0.0  # dispatches per second, smoothed
         self._last_dispatch: float | None = None
 
@@ -201,15 +198,12 @@ class GatewayQueue:
         return [t[3] for t in tagged]
 
     def past_share(self, f: Features) -> bool:
-        """Whether the request's tenant asks for more than an equal share of the recent demand, in the
-        fair order with a reserve (``fair_reserve``): it then leaves room for the others."""
+        """Whether the request's tenant takes more than an equal share, in the fair order with a
+        reserve (``fair_reserve``): it then leaves room for the others. A share is the service a
+        tenant had lately and what it has waiting here, whole (``TenantLedger.over_share``)."""
         if self.config.order is not DispatchOrder.FAIR or not self.config.fair_reserve:
             return False
-        return self.demand.over_share(tenant_of(f), self.clock(), self._asking)
-
-    def asked(self, tenant: str, tokens: int) -> None:
-        """A request of ``tenant`` arrived (whether it is routed at once, waits or is refused)."""
-        self.demand.add(tenant, tokens, self.clock())
+        return self.tenants.over_share(tenant_of(f), self.clock(), self._asking)
 
     def served(self, tenant: str, tokens: int) -> None:
         """A request of ``tenant`` was routed (from the queue or not): its service grows."""

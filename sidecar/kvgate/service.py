@@ -139,8 +139,6 @@ class DecisionService:
         if dry_run:
             return self.planner.routed(did, policy, plan, priority)
         queue = self.queue
-        if queue is not None:  # what its tenant asks for, served or not (the fair reserve)
-            queue.asked(tenant_of(f), f.est_tokens)
         plan, held = self._judge(did, f, plan, priority, 0.0)
         if queue is None:
             return await self._commit(did, policy, f, plan, priority, t0)

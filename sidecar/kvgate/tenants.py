@@ -11,16 +11,16 @@ virtual token counter does it).
 
 The order alone is not enough: once the gateway has sent a quiet tenant's request first, it still
 waits inside the backend behind the flood's prefills already admitted there (an engine finishes the
-prefills it runs before starting a waiting one). So while a tenant asks for more than an equal
-share of the recent demand (``over_share`` of a second ledger, counted as requests arrive), its
-requests go only where they leave room for the others
+prefills it runs before starting a waiting one). So while a tenant takes more than an equal share
+(``over_share``), its requests go only where they leave room for the others
 (``snapshot.Snapshot.room_past_share``: little prefill waiting there and KV cache to spare, and
 ``queue.fair_reserve`` backends clear of prefill with KV cache to spare: a flood's decodes would
-otherwise fill every cache, and a request without KV blocks waits for some). Demand, not service:
-the flood's requests that wait are served less than they ask, and by service alone the quiet tenant
-would then look past its share and wait for the reserve too. For the same reason what a tenant has
-waiting in the gateway queue counts as asked now, whole: a flood whose arrivals stopped still asks
-while its backlog waits.
+otherwise fill every cache, and a request without KV blocks waits for some). A tenant's share is
+the service it had lately plus what it has waiting in the gateway queue, counted whole: the flood's
+requests that wait are served less than they ask, and by service alone the quiet tenant would then
+look past its share and wait for the reserve too. Not its arrivals, decayed: a flood whose
+backlog is still being served minutes after its last arrival then looked smaller than the quiet
+tenant's steady arrivals, and the quiet tenant waited for the room that backlog kept taking.
 
 Bounded: a tenant whose decayed service falls under one token is forgotten when the next one is
 counted, so the map holds about the tenants of the last few windows.
@@ -63,8 +63,7 @@ class _Service:
 
 
 class TenantLedger:
-    """Tokens per tenant, each decayed with the half-life: the service each had (the fair order), or
-    what each asked for (the reserve)."""
+    """Tokens per tenant, each decayed with the half-life: the service each had."""
 
     def __init__(self, half_life_s: float) -> None:
         self.half_life_s = half_life_s
@@ -86,12 +85,10 @@ class TenantLedger:
         """Whether ``tenant`` had more than an equal share of the recent total, among the tenants
         that had at least 1 % of it (when there are two or more). ``waiting``: tokens each tenant
         still asks for now (its requests waiting at the gateway), counted whole beside the decayed
-        past: a flood whose arrivals stopped still asks while its backlog waits. By its decayed
-        arrivals alone the quiet tenant looked past its share a minute later, and then waited at the
-        gateway for the room the flood's backlog kept taking."""
-        if len(self._service) < 2:
-            return False
+        past; a tenant with requests waiting and none served yet counts too."""
         waiting = waiting or {}
+        if len(self._service) < 2 and not waiting:
+            return False
         total = self._total.tokens * math.exp2(-(now - self._total.at) / self.half_life_s)
         total += sum(waiting.values())
 
@@ -99,14 +96,13 @@ class TenantLedger:
             return self.attained(t, now) + waiting.get(t, 0)
 
         if self._active is None or now - self._active[0] >= SHARE_EVERY_S:
-            active = sum(1 for t in self._service if asks(t) >= ACTIVE_SHARE * total)
+            active = sum(1 for t in self._service.keys() | waiting.keys() if asks(t) >= ACTIVE_SHARE * total)
             self._active = (now, active)
         active = self._active[1]
         return active > 1 and asks(tenant) > total / active
 
     def add(self, tenant: str, tokens: float, now: float) -> None:
-        """``tenant`` had a request of ``tokens`` estimated prompt tokens routed (or, for the demand
-        ledger, asked for)."""
+        """``tenant`` had a request of ``tokens`` estimated prompt tokens routed."""
         self._service[tenant] = _Service(self.attained(tenant, now) + tokens, now)
         # Kept exact as it goes, not summed now and then: in a burst, a total some counts old would
         # put every tenant past its share.

@@ -67,8 +67,8 @@ class QueueConfig:
         60_000,
         1000,
         3_600_000,
-        "fair: the half-life of a tenant's service (estimated prompt tokens routed) and demand (asked "
-        "for), so recent ones count most",
+        "fair: the half-life of a tenant's service (estimated prompt tokens routed), so recent ones "
+        "count most",
     )
     # Measured on the two-tenant benchmark (kvgate-bench fairness): without a reserve the quiet
     # tenant's p90 was 3.2x its value alone; reserve 1 with 2,048-8,192 tokens about 1.3x, with the
@@ -77,9 +77,9 @@ class QueueConfig:
         1,
         0,
         1000,
-        "fair: while a tenant asks for more than an equal share of the recent demand, it is sent only "
-        "where this many other backends stay free of prefill waiting to start, so that the others' "
-        "next request finds one; 0: off",
+        "fair: while a tenant takes more than an equal share (its recent service and what it has "
+        "waiting), it is sent only where this many other backends stay free of prefill waiting to "
+        "start, so that the others' next request finds one; 0: off",
     )
     fair_prefill_tokens: int = whole(
         4096,
