@@ -80,6 +80,39 @@ def test_a_long_prompt_goes_where_no_prefill_waits_and_waits_when_none_is_clear(
     assert not sc.service.planner.must_wait(plan(sc, feats(2_000)))  # 500 tokens fit beside 300
 
 
+def test_a_prompt_goes_where_the_kv_cache_can_hold_it() -> None:
+    """A pick whose KV cache, at its last scrape, has no free blocks for the part of the prompt it
+    would prefill gives way to a backend that has (vLLM would hold the prompt, or start it and
+    preempt it, until blocks free); no move goes to a backend without them; with none that can, the
+    pick stays. Each backend's cache here: 100 blocks of 128 tokens, 12,800 tokens."""
+    sc = core(n=2)
+
+    def scrape(backend: str, kv: float) -> None:
+        sc.registry.scrape_ok(
+            backend, Scraped(0, 0, kv, None, None, time.monotonic(), block_size=128, kv_blocks=100)
+        )
+        sc.registry.changed()
+
+    def placed(pick: str) -> tuple[str, Reason]:
+        p = plan(sc, feats(40_000))  # 10,000 estimated tokens
+        picked = dataclasses.replace(p, decision=to_front(p.decision, pick, Reason.RING))
+        d = sc.service.planner._placed(picked, PolicyName.KVGATE).decision
+        return d.candidates[0], d.reason
+
+    scrape("b0", 0.5)  # 6,400 tokens free
+    scrape("b1", 0.1)  # 11,520 free
+    assert plan(sc, feats(40_000)).snap.holds("b1", 10_000)
+    assert placed("b0") == ("b1", Reason.TTFT)
+    assert placed("b1") == ("b1", Reason.RING)
+    # b0 now has a prompt waiting for prefill: a move would suit it, but b1 cannot hold the prompt.
+    scrape("b1", 0.5)
+    scrape("b0", 0.1)
+    sc.registry.ledger.start("short", "b0", 300, time.monotonic())
+    assert placed("b0") == ("b0", Reason.RING)
+    scrape("b0", 0.5)  # neither can: the pick stays
+    assert placed("b0") == ("b0", Reason.RING)
+
+
 def test_disaggregated_the_candidates_are_decoders_and_the_prefill_leg_rides_along() -> None:
     sc = core(["prefill", "decode", "decode"], disaggregation={"models": ["*"], "label": "pool"})
     p = plan(sc, feats(8_000))

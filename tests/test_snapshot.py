@@ -117,3 +117,14 @@ def test_a_tenant_past_its_share_counts_the_kv_its_requests_in_flight_may_take()
     assert s.kv_committed("a") == 0.6 and s.room_past_share("a", 4_096, 1, 0.85)  # the scrape says more
     unknown = snapshot({"a": 0.3, "b": 0.3}, {"a": 9_000}, {"b": 10_000})
     assert unknown.kv_committed("a") == 0.3 and unknown.room_past_share("b", 4_096, 1, 0.85)
+
+
+def test_a_backend_holds_a_prompt_its_free_kv_blocks_can_take() -> None:
+    """``holds``: the cache's free share at the last scrape against the tokens to prefill; a backend
+    that exports no cache size holds anything; the KV in flight is not read (``kv_committed``)."""
+    limits = LoadLimits(1.25, 8, 0.95, 32_768)
+    views = {"a": replace(load(kv=0.75), kv_tokens=10_000), "b": load(kv=0.99)}
+    nodes = {n: NodeView(n, 1.0, v) for n, v in views.items()}
+    s = Snapshot(nodes, Ring(dict.fromkeys(views, 1.0)), limits, {}, {}, inflight_kv={"a": 9_000})
+    assert s.holds("a", 2_500) and not s.holds("a", 2_501)
+    assert s.holds("b", 100_000)

@@ -284,15 +284,17 @@ class Planner:
         such a backend on two real vLLM servers.
         A pick without room for the request (``Snapshot.fits``) gives way to the backend expected
         first among those with room, when one has: sent there, the request would share a step
-        with the prefill already waiting, or wait behind it."""
+        with the prefill already waiting, or wait behind it. Room includes free KV cache for what
+        it prefills there (``Snapshot.holds``), which no expected figure sees: nor is a move made
+        to a backend without it."""
         margin, snap = self.config.routing.ttft_margin, plan.snap
         if margin >= 1.0 or policy is not PolicyName.KVGATE or not self._movable(plan):
             return plan
         lim, first = snap.limits, plan.decision.candidates[0]
         own = self._own(plan)
         figures = self._expected(plan, own)
-        if not snap.fits(first, own[first][0]):
-            roomy = [n for n in snap.nodes if snap.fits(n, own[n][0])]
+        if not (snap.fits(first, own[first][0]) and snap.holds(first, own[first][0])):
+            roomy = [n for n in snap.nodes if snap.fits(n, own[n][0]) and snap.holds(n, own[n][0])]
             if roomy:
                 best = min(roomy, key=lambda n: figures.get(n, (math.inf,))[0])  # unknown: last
                 return dataclasses.replace(plan, decision=to_front(plan.decision, best, Reason.TTFT))
@@ -307,6 +309,8 @@ class Planner:
         held = {} if fair else req.holders()
 
         def admits(n: str) -> bool:
+            if not snap.holds(n, own[n][0]):
+                return False
             if not self.first_byte.sees_queue(n):
                 return own_bound(n)
             return queued(n) if n in held else holders(n)

@@ -81,6 +81,16 @@ class Snapshot:
         limit = self.limits.saturation_prefill_tokens
         return self.has_room(node) and (ahead == 0 or ahead + tokens <= limit)
 
+    def holds(self, node: str, tokens: int) -> bool:
+        """Whether ``node``'s KV cache had free blocks for ``tokens`` more at its last scrape (a
+        backend that does not export its cache's size: yes). A prompt sent where it does not fit
+        waits there for blocks, or starts and is preempted as the running requests grow (vLLM
+        preempts the newest first). Read from the scrape, not ``kv_committed``: counting every
+        request's ``max_tokens`` as taken made a busy backend look full and measured worse
+        (docs/benchmarks.md, "A prompt where the KV cache can hold it")."""
+        load = self.nodes[node].load
+        return not load.kv_tokens or load.kv_usage + tokens / load.kv_tokens <= 1.0
+
     def room_past_share(self, node: str, budget: int, reserve: int, kv: float = 1.0) -> bool:
         """``has_room`` for a tenant past its share of the service (``queue.fair_*``): fewer than
         ``budget`` prompt tokens waiting for prefill on ``node`` and its KV cache under ``kv``
