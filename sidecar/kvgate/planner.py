@@ -293,8 +293,12 @@ class Planner:
         lim, first = snap.limits, plan.decision.candidates[0]
         own = self._own(plan)
         figures = self._expected(plan, own)
-        if not (snap.fits(first, own[first][0]) and snap.holds(first, own[first][0])):
-            roomy = [n for n in snap.nodes if snap.fits(n, own[n][0]) and snap.holds(n, own[n][0])]
+
+        def room(n: str) -> bool:
+            return snap.fits(n, own[n][0]) and snap.holds(n, own[n][0])
+
+        if not room(first):
+            roomy = [n for n in snap.nodes if room(n)]
             if roomy:
                 best = min(roomy, key=lambda n: figures.get(n, (math.inf,))[0])  # unknown: last
                 return dataclasses.replace(plan, decision=to_front(plan.decision, best, Reason.TTFT))
