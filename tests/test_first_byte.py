@@ -222,3 +222,15 @@ def test_a_fit_blind_to_the_queue_gives_work_far_past_what_it_saw_the_ceiling() 
     assert b.budget_ms("flat", 1_000, trusted=True) == 5_000
     assert b.budget_ms("flat", 30_000, trusted=True) == 60_000
     assert b.budget_ms("sloped", 30_000, trusted=True) == round(4 * (0.02 + 3.0) * 1000)
+
+
+def test_one_answer_far_off_the_line_does_not_set_the_cost_per_token() -> None:
+    """A request preempted for KV blocks answers at many times its expectation. Taken whole, one
+    such answer raised a backend's cost per token by 70 %, and placement kept long prompts, the only
+    answers that could correct it, off that backend."""
+    b = learned(7, lambda n, _, rng: 0.01 + 20e-6 * n + rng.uniform(-0.002, 0.002))
+    before = b.predict("a", 4000)
+    b.learn("a", 2800, 1.15)  # expected about 0.066 s
+    after = b.predict("a", 4000)
+    assert before is not None and after is not None
+    assert after < 1.15 * before  # taken whole: 1.38 x

@@ -32,7 +32,10 @@ restart on shared cores, a long batch) would keep that backend out of the moves 
 nothing corrects it, and nothing does once the moves avoid it. Past ``QUIET_S`` without an answer,
 the past weighs half as much every ``HALF_LIFE_S``: the next answers outweigh it, and a fit left
 with less than ``MIN_WEIGHT`` is not used to place requests (the policy's own pick stands) until
-they come. A restarted engine starts a new fit (``restart``): the old one described another process.
+they come. A backend still answering short prompts is not quiet, and short prompts say little of
+its cost per token, so one answer far off the line (a request preempted for KV blocks) must not
+set that cost: it enters the fit as at most ``OUTLIER`` times what was expected. A restarted engine
+starts a new fit (``restart``): the old one described another process.
 """
 
 from __future__ import annotations
@@ -69,6 +72,16 @@ ATTENTION_SHARE = 0.5
 # token: positive, and no guard against sending one of them every request of a burst.
 QUEUE_SHARE = 0.1
 BLIND_REACH = 2.0  # a blind fit's budget holds up to this many times the mean work it has seen
+# An answer enters the fit as at most OUTLIER times what the fit expected of it (of LINE_FLOOR_S at
+# least: a line near 0 for a short prompt must not hold its answers near 0 too). One request
+# preempted for KV blocks (1.15 s where 0.10 s was expected, two tiny-model profiles) raised its
+# backend's cost per token by 70 %; placement then kept long prompts off that backend, so no answer
+# came to correct it, and the flood of `kvgate-bench fairness` waited 25 s at the gateway beside a
+# backend 5 % used. A backend that really slowed down is still followed: each answer may raise the
+# fit by up to OUTLIER times its share. 4, the first-byte margin's default: 2 and 3 made the mixed
+# workload's placement worse at 2x (docs/benchmarks.md, "One slow answer").
+OUTLIER = 4.0
+LINE_FLOOR_S = 0.01  # about the fastest first byte a real server gives (tiny model, CPU: 11-18 ms)
 # No prefill is counted done before its first byte comes, however long it has run (``progress``).
 PROGRESS_CAP = 0.9
 
@@ -174,7 +187,10 @@ class FirstByteBudget:
         part) got its first byte ``seconds`` after it was made (now)."""
         if not (seconds >= 0.0 and math.isfinite(seconds) and math.isfinite(attention)):
             return
-        self._fits.setdefault(backend, _Fit()).add(float(work), max(0.0, attention), seconds, self.clock())
+        fit = self._fits.setdefault(backend, _Fit())
+        if (line := _line(fit, work, attention)) is not None:
+            seconds = min(seconds, OUTLIER * max(line, LINE_FLOOR_S))
+        fit.add(float(work), max(0.0, attention), seconds, self.clock())
 
     def restart(self, backend: str) -> None:
         """``backend``'s engine started again: its fit starts over."""
