@@ -12,6 +12,10 @@ are checked against ``tests/golden/features.json``.
   (first 16 hex digits; ``h_0 = md5(chunk_0)``), at most ``MAX_CHUNKS``; they feed the prefix index.
   Beyond 128 KB of prompt the session key, not the index, keeps a conversation together, and the
   hashing cost stays bounded (about 0.25 ms in Lua) however long the prompt.
+* ``max_tokens`` (``max_completion_tokens`` first, as vLLM reads them) and ``completions`` (``n``
+  times the texts of a completions batch): what its completions may write, read by the reserve's
+  KV mark and a tenant's service (``kvgate.tenants``). Lua sends them only once its checks passed;
+  here a value that is not a whole number in range is read as absent.
 * ``key``: the affinity key, in order: the session header (``h:``), the previous response of a
   ``/v1/responses`` conversation (``r:``), the OpenAI ``user`` field (``u:``), else a key derived
   from the prompt's leading content (``p:``). A session value longer than
@@ -35,6 +39,7 @@ MAX_CHUNKS = 256  # 128 KB (~32k tokens): deep enough to tell prompts apart, bou
 KEY_BYTES = 1024
 KEY_CHUNKS = 16
 KEY_VERBATIM = 64  # longer session values become their md5, so Redis keys and local memory stay bounded
+MAX_WHOLE = 2**31 - 1  # the largest max_tokens or n the gateway's checks let through
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,4 +186,29 @@ def extract(
         key_source=source,
         hashes=tuple(hashes),
         prompt_bytes=len(data),
+        max_tokens=_max_tokens(body),
+        completions=_completions(body),
     )
+
+
+def _whole(value: Any, least: int) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if value != value or not float(value).is_integer() or not least <= value <= MAX_WHOLE:
+        return None
+    return int(value)
+
+
+def _max_tokens(body: Mapping[str, Any]) -> int | None:
+    """As Lua's ``checks.max_tokens``: ``max_completion_tokens`` first, else ``max_tokens``."""
+    first = _whole(body.get("max_completion_tokens"), 0)
+    return first if first is not None else _whole(body.get("max_tokens"), 0)
+
+
+def _completions(body: Mapping[str, Any]) -> int:
+    """As Lua's ``checks.completions``: ``n`` of each prompt of a completions batch."""
+    n = _whole(body.get("n"), 1) or 1
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int | float):
+        n *= len(prompt)
+    return n
