@@ -22,9 +22,15 @@ def queue(**kw: object) -> tuple[GatewayQueue, Clock]:
 
 
 def waiting(
-    q: GatewayQueue, did: str, tokens: int = 100, priority: int = 0, key: str | None = None
+    q: GatewayQueue,
+    did: str,
+    tokens: int = 100,
+    priority: int = 0,
+    key: str | None = None,
+    max_tokens: int = 0,
 ) -> Waiting:
-    f = Features("m", None, "none", (), 400, client_key=key)
+    """A request of 100 prompt tokens; with ``max_tokens`` 0 its cost to its tenant is just those."""
+    f = Features("m", None, "none", (), 400, client_key=key, max_tokens=max_tokens)
     w = Waiting(did, f, PolicyName.KVGATE, priority, q.clock(), tokens)
     q.add(w)
     return w
@@ -237,3 +243,32 @@ def test_a_tenant_with_requests_waiting_and_none_served_counts_for_the_share() -
     for i in range(5):
         waiting(q, f"f{i}", key="flood")
     assert q.past_share(flood) and not q.past_share(quiet)
+
+
+def test_a_tenant_asking_for_long_answers_is_the_one_past_its_share() -> None:
+    """A tenant's service counts the output its requests may write (``fair_output_weight`` per
+    token): one sending 100-token prompts that ask for 2,000 tokens each is past its share against
+    one sending 1,000-token prompts with short answers. Counted by prompts alone it was the other
+    way round, and the reserve held back the tenant the long answers crowded out."""
+    long_answers = Features("m", None, "none", (), 400, client_key="decodes", max_tokens=2000)
+    long_prompts = Features("m", None, "none", (), 4000, client_key="prompts", max_tokens=50)
+    for weight, past in ((2.0, long_answers), (0.0, long_prompts)):
+        q, clock = queue(order=DispatchOrder.FAIR, fair_output_weight=weight)
+        assert q.cost(long_answers) == 100 + round(weight * 2000)
+        assert q.cost(long_prompts) == 1000 + round(weight * 50)
+        for _ in range(5):
+            for f in (long_answers, long_prompts):
+                q.served(f"key:{f.client_key}", q.cost(f))
+                clock.t += 0.1
+        other = long_prompts if past is long_answers else long_answers
+        assert q.past_share(past) and not q.past_share(other), weight
+
+
+def test_a_request_without_max_tokens_costs_the_configured_output() -> None:
+    q, _ = queue(order=DispatchOrder.FAIR, fair_output_tokens=300, fair_output_weight=1.5)
+    f = Features("m", None, "none", (), 400, completions=2)
+    assert q.cost(f) == 100 + round(1.5 * 2 * 300)  # each of its n completions may write 300
+    w = waiting(q, "a", key="a", max_tokens=10)
+    assert q._asking == {"key:a": 100 + 15}
+    q.remove(w.decision_id)
+    assert q._asking == {}

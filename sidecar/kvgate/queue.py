@@ -62,7 +62,7 @@ class Waiting:
     priority: int
     arrived: float
     # The shortest-first key: the prompt tokens it would prefill where most of it is cached (shortest
-    # order), else its estimated prompt tokens (the fair order's service).
+    # order), else its estimated prompt tokens.
     tokens: int
     fair_s: float = math.inf  # the wait FCFS would have given it (set when it joins the queue)
     ready: float = 0.0  # not dispatched before this (queue.gather_ms: a long prompt lets a burst by)
@@ -77,7 +77,7 @@ class GatewayQueue:
         self.tenants = TenantLedger(config.fair_window_s)  # service per tenant, for the fair order
         self._waiting: dict[str, Waiting] = {}
         self._per_key: dict[str, int] = {}  # waiting requests of each API key
-        # The estimated prompt tokens each tenant has waiting: what it still asks for (the reserve)
+        # The service each tenant's waiting requests ask for (``cost``): what it still asks (the reserve)
         self._asking: dict[str, int] = {}
         self._rate = 0.0  # dispatches per second, smoothed
         self._last_dispatch: float | None = None
@@ -104,7 +104,7 @@ class GatewayQueue:
         if key is not None:
             self._per_key[key] = self._per_key.get(key, 0) + 1
         tenant = tenant_of(w.features)
-        self._asking[tenant] = self._asking.get(tenant, 0) + w.features.est_tokens
+        self._asking[tenant] = self._asking.get(tenant, 0) + self.cost(w.features)
 
     def _take(self, decision_id: str) -> Waiting | None:
         """Where a waiting request leaves the queue, and its key's and its tenant's counts come down."""
@@ -112,7 +112,7 @@ class GatewayQueue:
         if w is None:
             return None
         _less(self._per_key, w.features.client_key, 1)
-        _less(self._asking, tenant_of(w.features), w.features.est_tokens)
+        _less(self._asking, tenant_of(w.features), self.cost(w.features))
         return w
 
     def remove(self, decision_id: str) -> Waiting | None:
@@ -184,7 +184,7 @@ class GatewayQueue:
         return True
 
     def _fair(self, now: float) -> list[Waiting]:
-        """Each request's virtual finish tag: its tenant's attained service, plus the tokens of that
+        """Each request's virtual finish tag: its tenant's attained service, plus the cost of that
         tenant's requests waiting ahead of it, plus its own; the smallest first."""
         ahead: dict[str, float] = {}
         tagged = []
@@ -192,7 +192,7 @@ class GatewayQueue:
             tenant = tenant_of(w.features)
             if tenant not in ahead:
                 ahead[tenant] = self.tenants.attained(tenant, now)
-            ahead[tenant] += w.tokens
+            ahead[tenant] += self.cost(w.features)
             tagged.append((w.priority, ahead[tenant], w.arrived, w))
         tagged.sort(key=lambda t: t[:3])
         return [t[3] for t in tagged]
@@ -205,8 +205,15 @@ class GatewayQueue:
             return False
         return self.tenants.over_share(tenant_of(f), self.clock(), self._asking)
 
+    def cost(self, f: Features) -> int:
+        """The service a request takes, in prompt tokens: its own, and the output it may write at
+        ``fair_output_weight`` each (``kvgate.tenants``)."""
+        output = f.output_tokens(self.config.fair_output_tokens)
+        return f.est_tokens + round(self.config.fair_output_weight * output)
+
     def served(self, tenant: str, tokens: int) -> None:
-        """A request of ``tenant`` was routed (from the queue or not): its service grows."""
+        """A request of ``tenant`` was routed (from the queue or not): its service grows by its
+        ``cost``."""
         self.tenants.add(tenant, tokens, self.clock())
 
     def retry_after(self) -> int:

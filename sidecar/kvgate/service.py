@@ -243,7 +243,7 @@ class DecisionService:
             self.slo.promise(did, objective)
         if self.queue is not None:  # every routed request is service its tenant had (fair order)
             tenant = tenant_of(f)
-            self.queue.served(tenant, f.est_tokens)
+            self.queue.served(tenant, self.queue.cost(f))
             self.metrics.of(self.metrics.tenant_tokens, label_of(tenant)).inc(f.est_tokens)
         self.recent.append((routed, f))
         return routed

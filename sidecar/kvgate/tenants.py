@@ -1,13 +1,18 @@
 """Tenants and the service each has had lately, for the gateway queue's fair order.
 
 A tenant is an API key (its name, when the gateway checks keys), else the client's address. Each
-routed request adds its estimated prompt tokens to its tenant's *attained service*, which decays
-with a half-life of ``queue.fair_window`` so that what a tenant got a minute ago counts less than
-what it got now. The fair order (``kvgate.queue``) then gives each waiting request a virtual finish
-tag: its tenant's attained service plus the tokens of that tenant's requests ahead of it in the
-queue, plus its own; the smallest tag goes first. A tenant that floods gets its share and no more;
-one that sends little is served almost as soon as it asks (least attained service, in tokens, as a
-virtual token counter does it).
+routed request adds its cost to its tenant's *attained service*, which decays with a half-life of
+``queue.fair_window`` so that what a tenant got a minute ago counts less than what it got now. The
+cost is its estimated prompt tokens plus the output it may write (``max_tokens``, else
+``queue.fair_output_tokens``) at ``queue.fair_output_weight`` each (``GatewayQueue.cost``), as a
+virtual token counter weighs them: a tenant that sends short prompts asking for long answers takes
+the engines' steps and KV cache in decodes, and counted by its prompts alone it looked under its
+share while the tenant it crowded out looked over it and was held for the reserve. The fair order
+(``kvgate.queue``) then gives each waiting request a virtual finish tag: its tenant's attained
+service plus the cost of that tenant's requests ahead of it in the queue, plus its own; the
+smallest tag goes first. A tenant that floods gets its share and no more; one that sends little is
+served almost as soon as it asks (least attained service, in tokens, as a virtual token counter
+does it).
 
 The order alone is not enough: once the gateway has sent a quiet tenant's request first, it still
 waits inside the backend behind the flood's prefills already admitted there (an engine finishes the

@@ -67,8 +67,8 @@ class QueueConfig:
         60_000,
         1000,
         3_600_000,
-        "fair: the half-life of a tenant's service (estimated prompt tokens routed), so recent ones "
-        "count most",
+        "fair: the half-life of a tenant's service (the tokens of its requests routed, "
+        "fair_output_weight), so recent ones count most",
     )
     # Measured on the two-tenant benchmark (kvgate-bench fairness): without a reserve the quiet
     # tenant's p90 was 3.2x its value alone; reserve 1 with 2,048-8,192 tokens about 1.3x, with the
@@ -104,7 +104,23 @@ class QueueConfig:
         1,
         1_000_000,
         "fair: the output a request that sets no max_tokens is counted as writing, in what the "
-        "requests in flight on a backend may take of its KV cache (fair_kv)",
+        "requests in flight on a backend may take of its KV cache (fair_kv) and in its tenant's "
+        "service (fair_output_weight)",
+    )
+    # Measured on the two-tenant benchmark with a flood of long answers (kvgate-bench fairness
+    # --flood-output): two tiny-CPU profiles, the flood at half the quiet tenant's rate with answers
+    # 8x as long: the quiet tenant's p90 4,700-5,500x its value alone with prompts alone, 1.15-1.18x
+    # at 2, 4 and 8; four H100 profiles, the flood at 1x with answers 4x as long: 2.18x, then 1.58x
+    # at 2, 1.41x at 4, 1.27x at 8. Each request is charged what it asks for, not what it writes, so
+    # a higher weight also weighs more on a tenant that asks for far more than it gets.
+    fair_output_weight: float = number(
+        4.0,
+        0.0,
+        100.0,
+        "fair: an output token counts as this many prompt tokens in a tenant's service (a virtual "
+        "token counter: a tenant asking for long answers takes the engines' time and cache in "
+        "decodes); each request is counted as writing its max_tokens, else fair_output_tokens; "
+        "0: prompts only",
     )
     client_priority: bool = flag(False, "honour priorities clients send (body priority, X-Priority)")
     forward_priority: bool = flag(
