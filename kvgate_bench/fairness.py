@@ -10,6 +10,7 @@ with the backends it keeps clear for the tenant under its share (``queue.fair_re
 per tenant: mean, p50 and p90 TTFT of the requests served, and how many the gateway refused (429).
 
     kvgate-bench fairness --duration 300 --flood 3
+    kvgate-bench fairness --duration 300 --flood 0.5 --flood-output 8   # a flood of long answers
     kvgate-bench fairness --real-vllm 2 --trace-block-tokens 32 --duration 120 --flood 3
 """
 
@@ -52,16 +53,23 @@ def two_tenants(
     block: int = TRACE_BLOCK_TOKENS,
     model: str = SIM_MODEL,
     most: int | None = None,
+    flood_output: float = 1.0,
 ) -> tuple[list[BenchRequest], list[str]]:
     """The quiet tenant's window (from ``start`` s) and the flood's (``gap`` s after it, its arrivals
-    ``flood`` times as dense, over the same ``duration``), merged and renumbered; each request's
-    tenant. ``words``, ``block``: as ``workloads.scaled`` writes them (real vLLM); ``most``: the longest
-    request kept (``workloads.within``)."""
+    ``flood`` times as dense, over the same ``duration``, its answers ``flood_output`` times as
+    long), merged and renumbered; each request's tenant. ``words``, ``block``: as
+    ``workloads.scaled`` writes them (real vLLM); ``most``: the longest request kept
+    (``workloads.within``)."""
 
-    def window(start: float, length: float) -> list[BenchRequest]:
-        return within(scaled(load_trace(trace, start, length, model=model, spread=True), words, block), most)
+    def window(start: float, length: float, output: float = 1.0) -> list[BenchRequest]:
+        reqs = scaled(load_trace(trace, start, length, model=model, spread=True), words, block)
+        if output != 1.0:
+            reqs = [
+                dataclasses.replace(r, output_tokens=max(1, round(r.output_tokens * output))) for r in reqs
+            ]
+        return within(reqs, most)
 
-    quiet, loud = window(start, duration), window(start + gap, duration * flood)
+    quiet, loud = window(start, duration), window(start + gap, duration * flood, flood_output)
     tagged = [(r.arrival, QUIET, r) for r in quiet] + [(r.arrival / flood, FLOOD, r) for r in loud]
     tagged.sort(key=lambda t: t[0])
     reqs = [dataclasses.replace(r, rid=i, arrival=at) for i, (at, _, r) in enumerate(tagged)]
@@ -144,6 +152,7 @@ def window(args: argparse.Namespace, start: float, fleet: Any, out: Path) -> lis
         block=args.trace_block_tokens,
         model=args.model or SIM_MODEL,
         most=args.max_context,
+        flood_output=args.flood_output,
     )
     rows = []
     for label, both, order, reserve in RUNS:
@@ -224,6 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--duration", type=float, default=300.0, help="seconds of the quiet tenant's window")
     p.add_argument("--flood", type=float, default=3.0, help="the flooding tenant's rate, x the quiet one's")
+    p.add_argument(
+        "--flood-output",
+        type=float,
+        default=1.0,
+        help="the flooding tenant's answers, x their length in the trace (a flood of decodes)",
+    )
     # One window of a trace is one sample of a noisy quantity (a p90 of a few hundred requests past
     # saturation): a change is judged over several.
     p.add_argument(

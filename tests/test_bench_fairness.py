@@ -5,13 +5,19 @@ inside the engines either."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
 
-from kvgate_bench import fairness
-from kvgate_bench.fairness import FLOOD, QUIET, run, two_tenants
+from kvgate.public import PolicyName
+
+from kvgate_bench import fairness, report, virtual
+from kvgate_bench.fairness import FLOOD, QUIET, queue_section, run, two_tenants
 from kvgate_bench.workloads import DEFAULT_TRACE, BenchRequest
+from vllm_sim.profiles import get_profile
+
+TINY = "vllm_real/profiles/tiny-cpu.json"
 
 
 def test_the_fair_order_shields_the_quiet_tenant_from_the_flood() -> None:
@@ -59,3 +65,33 @@ def test_several_windows_report_the_goal_figure_per_window_its_median_and_worst(
     median, worst = statistics.median(ratios), max(ratios)
     assert f"over 2 windows: median {median:.2f}x, worst {worst:.2f}x" in text
     assert f"| 600 s | {data['windows'][1]['rows'][0][QUIET]['p90']:.3f} s |" in text
+
+
+def test_a_flood_of_long_answers_is_past_its_share_and_the_quiet_tenant_keeps_its_ttft() -> None:
+    """The flood sends half the quiet tenant's prompts but asks for answers eight times as long, on
+    two tiny-CPU backends: its decodes fill the engines. Counted by prompt tokens alone the quiet
+    tenant looked past its share and waited at the gateway for a reserve the flood's streams never
+    left (its p90 in tens of seconds); with each output token counted at ``fair_output_weight`` the
+    flood is the one past its share, and the quiet tenant's p90 stays near its value alone."""
+    reqs, tenants = two_tenants(DEFAULT_TRACE, 30.0, 0.5, block=32, most=16384, flood_output=8.0)
+    assert tenants.count(FLOOD) > 20
+    assert sum(r.output_tokens for r, t in zip(reqs, tenants, strict=True) if t == FLOOD) > 2 * sum(
+        r.output_tokens for r, t in zip(reqs, tenants, strict=True) if t == QUIET
+    )
+
+    def quiet_p90(both: bool, weight: float) -> float:
+        picked = [i for i, t in enumerate(tenants) if both or t == QUIET]
+        these = [dataclasses.replace(reqs[i], rid=n) for n, i in enumerate(picked)]
+        whose = [tenants[i] for i in picked]
+        feats = [
+            dataclasses.replace(f, client_key=t)
+            for f, t in zip(virtual.features_for(these), whose, strict=True)
+        ]
+        assert all(f.max_tokens for f in feats)  # as Nginx reads them from each body
+        queue = {**queue_section("fair", None), "fair_output_weight": weight}
+        result = virtual.replay(these, feats, PolicyName.KVGATE, 2, get_profile(TINY), extra={"queue": queue})
+        return report.pct(sorted(r.ttft for r in result.results if whose[r.rid] == QUIET), 0.9)
+
+    alone = quiet_p90(False, 2.0)
+    assert quiet_p90(True, 0.0) > 10 * alone  # prompts alone: the quiet tenant held back
+    assert quiet_p90(True, 2.0) < 1.5 * alone
