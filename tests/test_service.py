@@ -122,8 +122,9 @@ def test_each_candidate_gets_a_first_byte_budget_learned_from_its_answers() -> N
 
 
 def test_with_the_fair_order_each_tenant_s_service_wait_and_depth_are_counted() -> None:
-    """Tenants (API keys) in the queue's metrics: tokens routed, requests waiting, the wait; the depth
-    is counted from the queue itself, so it is back to nothing once the queue is."""
+    """Tenants (API keys) in the queue's metrics: prompt tokens routed, the service charged (prompt
+    and output), requests waiting, the wait; the depth is counted from the queue itself, so it is
+    back to nothing once the queue is."""
     import dataclasses
 
     from kvgate.service import Queued
@@ -134,14 +135,17 @@ def test_with_the_fair_order_each_tenant_s_service_wait_and_depth_are_counted() 
     async def scenario() -> None:
         sc = core(n=1, queue={"enabled": True, "order": "fair"})
         (backend,) = sc.registry.backends
-        routed = await sc.service.decide(dataclasses.replace(features(0), client_key="team-a"), "d0")
+        first = dataclasses.replace(features(0), client_key="team-a", max_tokens=100)
+        routed = await sc.service.decide(first, "d0")
         assert not isinstance(routed, Queued)
         idle(sc, backend, waiting=50)  # saturated: the next one waits
         waiting = await sc.service.decide(dataclasses.replace(features(1), client_key="team-b"), "d1")
         assert isinstance(waiting, Queued)
         text = generate_latest(sc.metrics.registry).decode()
         assert 'kvgate_tenant_queue_depth{tenant="team-b"} 1.0' in text
-        assert 'kvgate_tenant_routed_tokens_total{tenant="team-a"}' in text
+        assert f'kvgate_tenant_routed_tokens_total{{tenant="team-a"}} {float(first.est_tokens)}' in text
+        service = first.est_tokens + 100 * sc.config.queue.fair_output_weight  # its max_tokens weighed
+        assert f'kvgate_tenant_service_tokens_total{{tenant="team-a"}} {float(service)}' in text
         idle(sc, backend)
         sc.service.report([Outcome.end("d0", backend, 200, True, 0.1, 0.2)])
         (done,) = await sc.service.dispatch()

@@ -172,7 +172,14 @@ class SidecarMetrics:
         # Per tenant (kvgate.tenants: an API key's name, else "anonymous"), with the gateway queue on.
         self.tenant_tokens = Counter(
             "kvgate_tenant_routed_tokens",
-            "Estimated prompt tokens routed, per tenant: the service the fair order balances.",
+            "Estimated prompt tokens routed, per tenant.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_service = Counter(
+            "kvgate_tenant_service_tokens",
+            "The service the fair order balances, per tenant: each routed request's estimated prompt "
+            "tokens plus its max_tokens at queue.fair_output_weight (GatewayQueue.cost).",
             ["tenant"],
             registry=r,
         )

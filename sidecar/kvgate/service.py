@@ -242,9 +242,10 @@ class DecisionService:
         if (objective := self.slo.objective(f)) is not None:
             self.slo.promise(did, objective)
         if self.queue is not None:  # every routed request is service its tenant had (fair order)
-            tenant = tenant_of(f)
-            self.queue.served(tenant, self.queue.cost(f))
+            tenant, cost = tenant_of(f), self.queue.cost(f)
+            self.queue.served(tenant, cost)
             self.metrics.of(self.metrics.tenant_tokens, label_of(tenant)).inc(f.est_tokens)
+            self.metrics.of(self.metrics.tenant_service, label_of(tenant)).inc(cost)
         self.recent.append((routed, f))
         return routed
 
