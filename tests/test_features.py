@@ -61,7 +61,7 @@ def test_max_tokens_and_completions_are_read_as_the_gateway_reads_them() -> None
     assert extract({**chat, "max_tokens": 64.0}).max_tokens == 64
     assert extract({**chat, "max_tokens": 64, "max_completion_tokens": 8}).max_tokens == 8
     assert extract({**chat, "max_tokens": 0}).max_tokens == 0
-    for hostile in (-1, 1.5, True, "100", None, [1], 2**31, float("nan"), float("inf")):
+    for hostile in (-1, 1.5, True, "100", None, [1], 2**31, 10**400, float("nan"), float("inf")):
         assert extract({**chat, "max_tokens": hostile}).max_tokens is None, hostile
     assert extract({**chat, "max_completion_tokens": "x", "max_tokens": 7}).max_tokens == 7
     assert extract({**chat, "n": 3}).completions == 3

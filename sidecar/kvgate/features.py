@@ -192,9 +192,11 @@ def extract(
 
 
 def _whole(value: Any, least: int) -> int | None:
+    """A whole number from ``least`` to ``MAX_WHOLE``, else None. The range is tested first: a JSON
+    integer of hundreds of digits does not convert to a float (NaN fails it too)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    if value != value or not float(value).is_integer() or not least <= value <= MAX_WHOLE:
+    if not least <= value <= MAX_WHOLE or (isinstance(value, float) and not value.is_integer()):
         return None
     return int(value)
 
