@@ -58,3 +58,30 @@ def test_decisions_errors_and_reports_on_one_connection(tmp_path: Path) -> None:
         await server.stop()
 
     run(go())
+
+
+def test_a_stopped_server_removes_its_socket_but_not_a_successor_s(tmp_path: Path) -> None:
+    sc = core(n=2)
+    path = tmp_path / "d.sock"
+
+    async def go() -> None:
+        server = DecisionServer(sc.service, sc.registry, sc.agreement)
+        await server.start(str(path))
+        await server.stop()
+        assert not path.exists()  # nothing for the next sidecar, or a reader of the directory, to trip on
+        # A new sidecar takes the path while the old one still drains: the old one's stop leaves it.
+        old, new = (DecisionServer(sc.service, sc.registry, sc.agreement) for _ in range(2))
+        await old.start(str(path))
+        await new.start(str(path))
+        await old.stop()
+        assert path.is_socket()
+        reader, writer = await asyncio.open_unix_connection(str(path))
+        writer.write(protocol.line(protocol.encode_message(ModelsQuery())))
+        await writer.drain()
+        assert await reader.readline()  # the successor still answers there
+        writer.close()
+        await writer.wait_closed()
+        await new.stop()
+        assert not path.exists()
+
+    run(go())

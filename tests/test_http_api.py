@@ -4,6 +4,7 @@ backends served in the same event loop, and a real redis-server."""
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,13 +26,14 @@ from vllm_sim.server import Instance
 @asynccontextmanager
 async def sidecar_app(redis_url: str | None) -> AsyncIterator[tuple[TestClient[Any, Any], Config]]:
     port = free_ports(2)
+    tmp = tempfile.TemporaryDirectory(prefix="kvgate-")
     instances = []
     for i in range(2):
         inst = Instance(InstanceConfig(MODEL, EngineConfig.from_profile(LLAMA3_8B_H100, seed=i)))
         await inst.start("127.0.0.1", port + i)
         instances.append(inst)
     cfg = config(redis_url, backends=2, base_port=port)
-    sock = f"/tmp/kvgate-inprocess-{os.getpid()}-{port}.sock"
+    sock = os.path.join(tmp.name, "d.sock")
     cfg = Config.from_mapping(
         {
             "listen": {"socket": sock, "admin_token": "t0ken"},
@@ -48,6 +50,7 @@ async def sidecar_app(redis_url: str | None) -> AsyncIterator[tuple[TestClient[A
         await client.close()
         for inst in instances:
             await inst.stop()
+        tmp.cleanup()
 
 
 def test_health_says_redis_is_off_when_none_is_configured_not_down() -> None:

@@ -53,6 +53,7 @@ class DecisionServer:
         self.registry = registry
         self.agreement = agreement
         self.server: asyncio.Server | None = None
+        self._socket: tuple[str, int] | None = None  # (path, inode) of the socket this server made
         self._version_logged = 0.0
         self.connections = 0  # open connections from Nginx (the drain on SIGTERM waits for none)
 
@@ -64,11 +65,20 @@ class DecisionServer:
         os.chmod(path, 0o660)
         if group is not None:
             os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        self._socket = (path, os.stat(path).st_ino)
 
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
             await self.server.wait_closed()
+        if self._socket is not None:
+            # Python before 3.13 leaves the file behind. Removed only while it is still this server's:
+            # a sidecar started while this one drained has put its own socket at the same path.
+            path, inode = self._socket
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == inode:
+                    os.unlink(path)
+            self._socket = None
 
     async def handle(self, msg: Message) -> Reply | Queued | None:
         if isinstance(msg, Decide):
