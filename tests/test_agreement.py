@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate.agreement import Agreement
+from kvgate.agreement import Agreement, gateway_settings
 from kvgate.config import Config, hash_key
 from kvgate.nginx_conf import NginxSettings
 
@@ -43,3 +43,13 @@ def test_the_sidecar_says_mismatch_while_a_gateway_with_other_settings_asks() ->
     assert a.observe(a.fingerprint, 1.0) and a.state(1.0) == "ok"
     assert not a.observe("0123456789abcdef", 2.0) and a.state(2.0) == "mismatch"
     assert a.observe(a.fingerprint, 20.0) and a.state(20.0) == "ok"  # the other one went away
+
+
+def test_nginx_reads_the_usage_where_the_fair_order_corrects_a_tenant_s_charge_by_it() -> None:
+    """The fair order charges a request for the output it asks for and corrects that at its end by
+    the usage its backend reports: Nginx must then read it (and ask vLLM for a stream's)."""
+    fair = {"enabled": True, "order": "fair"}
+    assert gateway_settings(cfg(queue=fair))["usage"] is True
+    assert gateway_settings(cfg(queue={**fair, "fair_output_weight": 0}))["usage"] is False
+    assert gateway_settings(cfg(queue={"enabled": True}))["usage"] is False  # first come first served
+    assert gateway_settings(cfg())["usage"] is False

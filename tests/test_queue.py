@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from kvgate import queue as queue_module
 from kvgate.config import DispatchOrder, PolicyName, QueueConfig
 from kvgate.features import Features
+from kvgate.messages import Outcome
 from kvgate.queue import GatewayQueue, QueueFull, Waiting
 
 
@@ -270,5 +272,73 @@ def test_a_request_without_max_tokens_costs_the_configured_output() -> None:
     assert q.cost(f) == 100 + round(1.5 * 2 * 300)  # each of its n completions may write 300
     w = waiting(q, "a", key="a", max_tokens=10)
     assert q._asking == {"key:a": 100 + 15}
+    q.remove(w.decision_id)
+    assert q._asking == {}
+
+
+def test_a_charge_is_corrected_at_its_end_by_what_the_request_wrote() -> None:
+    """A client asking for 4,000 tokens that gets 100 is charged for 100 once its usage comes back,
+    and its next requests are charged, when routed, for the share its requests wrote (never under
+    1/32 of what they ask); one with no max_tokens that writes 900 is charged 900, not the
+    configured 300; a request that never ran (dropped) gives its whole cost back; an end without
+    usage keeps its charge. Every charge leaves at its end or drop."""
+    q, clock = queue(order=DispatchOrder.FAIR, fair_output_tokens=300, fair_output_weight=2.0)
+    generous = Features("m", None, "none", (), 400, client_key="a", max_tokens=4000)
+    tenant, cost = q.charge("d1", generous)
+    assert tenant == "key:a" and cost == 100 + 8000 and q.tenants.attained("key:a", clock.t) == cost
+    q.settle(Outcome.end("d1", "b0", 200, completion_tokens=100))
+    assert q.tenants.attained("key:a", clock.t) == 100 + 200
+    assert q.cost(generous) == 100 + 2 * 4000 // 32  # 100 of 4,000 is under the floor of 1/32
+    unbounded = Features("m", None, "none", (), 400, client_key="b")
+    assert q.charge("d2", unbounded)[1] == 100 + 600
+    q.settle(Outcome.end("d2", "b0", 200, completion_tokens=900))
+    assert q.tenants.attained("key:b", clock.t) == 100 + 1800
+    assert q.cost(unbounded) == 100 + 600  # no max_tokens: nothing to take a share of
+    q.charge("d3", generous)
+    q.settle(Outcome.drop("d3"))
+    assert q.tenants.attained("key:a", clock.t) == 300  # as before d3
+    q.charge("d4", generous)
+    q.settle(Outcome.end("d4", "b0", 502))  # no usage: what it wrote is unknown
+    assert q.tenants.attained("key:a", clock.t) == 300 + 350
+    q.charge("d5", generous)
+    q.settle(Outcome.end("d5", "b0", 200, completion_tokens=2000))  # half: a moving mean moves
+    assert q.tenants.attained("key:a", clock.t) == 650 + 100 + 4000
+    assert q.tenants.writes("key:a") == 1 / 32 + 0.2 * (0.5 - 1 / 32)
+    q.settle(Outcome.end("d1", "b0", 200, completion_tokens=1))  # a second end corrects nothing
+    assert q.tenants.attained("key:a", clock.t) == 4750 and q.charges() == 0
+    # A long request: its charge decayed while it ran, and so does its correction (as if what it
+    # wrote had been charged when it was routed).
+    q2, clock2 = queue(order=DispatchOrder.FAIR, fair_output_weight=2.0, fair_window_s=10.0)
+    q2.charge("long", generous)
+    clock2.t += 10.0
+    q2.settle(Outcome.end("long", "b0", 200, completion_tokens=100))
+    assert abs(q2.tenants.attained("key:a", clock2.t) - (100 + 200) / 2) < 1e-6
+
+
+def test_charges_are_kept_only_where_the_fair_order_counts_output_and_stay_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    f = Features("m", None, "none", (), 400, client_key="a", max_tokens=10)
+    for kw in ({"order": DispatchOrder.FCFS}, {"order": DispatchOrder.FAIR, "fair_output_weight": 0.0}):
+        q, _ = queue(**kw)
+        q.charge("d1", f)
+        assert q.charges() == 0, kw
+    monkeypatch.setattr(queue_module, "MAX_CHARGED", 3)
+    q, _ = queue(order=DispatchOrder.FAIR)
+    for i in range(5):  # reports can be lost: the oldest charges go first
+        q.charge(f"d{i}", f)
+    assert list(q._charged) == ["d2", "d3", "d4"]
+
+
+def test_what_a_waiting_request_asks_is_counted_as_it_joined_so_its_count_comes_back_to_zero() -> None:
+    """A tenant's learned share changes while its request waits: the request still takes back, as it
+    leaves, what it added as it joined."""
+    q, _ = queue(order=DispatchOrder.FAIR, fair_output_weight=1.0)
+    f = Features("m", None, "none", (), 400, client_key="a", max_tokens=1000)
+    q.charge("d0", f)
+    w = waiting(q, "w1", key="a", max_tokens=1000)
+    assert q._asking == {"key:a": 100 + 1000}
+    q.settle(Outcome.end("d0", "b0", 200, completion_tokens=100))
+    assert q.cost(w.features) == 100 + 100
     q.remove(w.decision_id)
     assert q._asking == {}

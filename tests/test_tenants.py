@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from kvgate.features import Features
-from kvgate.tenants import ANONYMOUS, SWEEP_EVERY, DepthCollector, TenantLedger, label_of, tenant_of
+from kvgate.tenants import (
+    ANONYMOUS,
+    SWEEP_EVERY,
+    DepthCollector,
+    ServiceCollector,
+    TenantLedger,
+    label_of,
+    tenant_of,
+)
 
 
 def f(key: str | None = None, addr: str | None = None) -> Features:
@@ -56,3 +64,30 @@ def test_a_tenant_is_past_its_share_with_more_than_an_equal_part_of_the_recent_s
     tiny.add("big", 100_000, now=0.0)
     tiny.add("speck", 10, now=0.0)  # under 1 % of the service: not competing
     assert not tiny.over_share("big", 0.0)
+
+
+def test_a_correction_moves_a_tenant_s_service_and_the_total_never_under_zero() -> None:
+    ledger = TenantLedger(half_life_s=10.0)
+    ledger.add("a", 800, now=0.0)
+    ledger.add("b", 200, now=0.0)
+    ledger.correct("a", -500, now=10.0)  # it wrote less than it was charged for, one half-life on
+    assert ledger.attained("a", 10.0) == 0.0  # 400 left, 500 taken back: none, not negative
+    ledger.correct("b", 50, now=10.0)  # b wrote more than it was charged for
+    assert abs(ledger.attained("b", 10.0) - 150) < 1e-6
+    # The total follows each correction as it was applied: b alone holds it now.
+    assert abs(ledger._total.tokens - 150) < 1e-6
+    ledger.correct("nobody", -100, now=10.0)  # a tenant not (or no longer) known stays unknown
+    assert "nobody" not in ledger.tenants() and len(ledger) == 2
+
+
+def test_the_service_collector_reads_what_the_fair_order_counts_now() -> None:
+    ledger, now = TenantLedger(half_life_s=10.0), [0.0]
+    ledger.add("key:a", 800, 0.0)
+    ledger.add("addr:10.0.0.1", 100, 0.0)
+    ledger.add("addr:10.0.0.2", 300, 0.0)
+    now[0] = 10.0
+    (family,) = ServiceCollector(ledger, lambda: now[0]).collect()
+    assert {s.labels["tenant"]: s.value for s in family.samples} == {"a": 400.0, ANONYMOUS: 200.0}
+    ledger.correct("key:a", -400, 10.0)
+    (family,) = ServiceCollector(ledger, lambda: now[0]).collect()
+    assert {s.labels["tenant"]: s.value for s in family.samples}["a"] == 0.0

@@ -56,8 +56,9 @@ def gateway_settings(config: Config) -> dict[str, Any]:
         "edge_access": g.edge_access or "",
         "tokenize_bytes": body_bytes,
         # Nginx reads each response's usage: rate limits count its tokens, the exact index its
-        # cached tokens (what the engine delivered against what the index predicted).
-        "usage": config.limited or body_bytes > 0,
+        # cached tokens (what the engine delivered against what the index predicted), the fair order
+        # the output a tenant had (GatewayQueue.settle).
+        "usage": config.limited or body_bytes > 0 or config.queue.charges_output,
     }
 
 

@@ -36,7 +36,7 @@ class _Entry:
     predicted: float | None = None  # its expected seconds to the first byte, when routed
     decision_id: str = ""
     requests: int = 1  # the engine requests it runs: one per completion (``n``)
-    output: int = 0  # tokens its completions may write (``Features.output_tokens``)
+    output: int = 0  # tokens its completions are expected to write (``GatewayQueue.output``)
     kv: int = 0  # KV cache tokens it may newly take there: its uncached prompt and its output
 
 

@@ -178,8 +178,10 @@ class SidecarMetrics:
         )
         self.tenant_service = Counter(
             "kvgate_tenant_service_tokens",
-            "The service the fair order balances, per tenant: each routed request's estimated prompt "
-            "tokens plus its max_tokens at queue.fair_output_weight (GatewayQueue.cost).",
+            "The service the fair order balances, per tenant, as charged when routed: each request's "
+            "estimated prompt tokens plus the output it may write at queue.fair_output_weight "
+            "(GatewayQueue.cost). The fair order's own count (kvgate_tenant_attained_tokens) is then "
+            "corrected at each request's end by the output its usage reports.",
             ["tenant"],
             registry=r,
         )

@@ -3,8 +3,9 @@
 A ``first`` report (a stream's first byte) ends the request's share of its backend's prefill queue,
 teaches the first-byte budget and the bytes-per-token ratio, and binds a Responses API id to the
 backend that stores it. A ``drop`` (the request never ran) takes it out of the gateway queue and the
-in-flight ledger and gives its admission back. An ``end`` finishes it in flight, corrects its token
-count, and feeds health and the metrics; a ``try`` (a candidate that failed before the one that
+in-flight ledger and gives its admission back (and its tenant's charge, in the fair order). An ``end``
+finishes it in flight, corrects its token count and its tenant's charge (``GatewayQueue.settle``), and
+feeds health and the metrics; a ``try`` (a candidate that failed before the one that
 answered) feeds health alone. Every decision ends in exactly one ``end`` or ``drop``.
 """
 
@@ -18,6 +19,7 @@ from kvgate.features import session_key
 from kvgate.first_byte import FirstByteBudget
 from kvgate.messages import Outcome, OutcomeKind
 from kvgate.metrics import SidecarMetrics
+from kvgate.queue import GatewayQueue
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
 from kvgate.slo import SloGate
@@ -35,6 +37,7 @@ class Outcomes:
         metrics: SidecarMetrics,
         leave_queue: Callable[[str], None],
         slo: SloGate,
+        queue: GatewayQueue | None = None,
     ) -> None:
         self.registry = registry
         self.sessions = sessions
@@ -44,6 +47,7 @@ class Outcomes:
         self.metrics = metrics
         self._leave_queue = leave_queue  # a dropped request still waiting leaves the gateway queue
         self.slo = slo  # each routed request's objective, met or missed at its end
+        self.queue = queue  # the fair order corrects each routed request's tenant charge at its end
 
     def apply(self, outcomes: Iterable[Outcome]) -> None:
         now = time.monotonic()
@@ -56,6 +60,8 @@ class Outcomes:
                 self.registry.ledger.drop(o.decision_id, self.registry.ledger.clock())
                 self.admission.forget(o.decision_id)
                 self.slo.settle(o)
+                if self.queue is not None:
+                    self.queue.settle(o)
                 self.metrics.dropped.inc()
             else:
                 self._ended(o, now)
@@ -85,6 +91,8 @@ class Outcomes:
             self.registry.ledger.finish(o.decision_id)
             self.admission.settle(o)
             self.slo.settle(o)
+            if self.queue is not None:
+                self.queue.settle(o)
         if o.response_id is not None and o.backend and o.status == 200:
             # The backend stores this response: the conversation's next turn must come back.
             self.sessions.remember(session_key("r", o.response_id), o.backend)

@@ -25,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgate.config import DispatchOrder, PolicyName, QueueConfig
 from kvgate.features import Features
+from kvgate.messages import Outcome, OutcomeKind
 from kvgate.tenants import TenantLedger, tenant_of
 
 RATE_HALF_LIFE_S = 10.0  # the dispatch-rate estimate behind Retry-After forgets at this pace
@@ -37,6 +39,7 @@ RATE_HALF_LIFE_S = 10.0  # the dispatch-rate estimate behind Retry-After forgets
 # where it would prefill more than this many times that (and more than one step's budget), is put back
 # in line as the longer request it now is.
 REORDER_RATIO = 2.0
+MAX_CHARGED = 100_000  # routed requests whose charge awaits their end (bounded: reports can be lost)
 
 
 class QueueFull(Exception):
@@ -66,8 +69,20 @@ class Waiting:
     tokens: int
     fair_s: float = math.inf  # the wait FCFS would have given it (set when it joins the queue)
     ready: float = 0.0  # not dispatched before this (queue.gather_ms: a long prompt lets a burst by)
+    cost: int = 0  # its tenant's service it asks for, as counted when it joined (``GatewayQueue.cost``)
     # Live: the request's answer (a Routed, or QueueTimeout); None in virtual time.
     future: asyncio.Future[object] | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What a routed request's tenant was charged, kept until its end says what it wrote."""
+
+    tenant: str
+    cost: int  # all of it: a request that never ran gives it back
+    output: int  # the part for the output it asked for (max_tokens, else fair_output_tokens), weighed
+    at: float  # when: a correction is what the charge would have been then, decayed as it was since
+    asked: int | None  # the output tokens its max_tokens allow (None: it set none)
 
 
 class GatewayQueue:
@@ -79,6 +94,7 @@ class GatewayQueue:
         self._per_key: dict[str, int] = {}  # waiting requests of each API key
         # The service each tenant's waiting requests ask for (``cost``): what it still asks (the reserve)
         self._asking: dict[str, int] = {}
+        self._charged: OrderedDict[str, Charge] = OrderedDict()  # fair order: decision id -> its charge
         self._rate = 0.0  # dispatches per second, smoothed
         self._last_dispatch: float | None = None
 
@@ -104,7 +120,8 @@ class GatewayQueue:
         if key is not None:
             self._per_key[key] = self._per_key.get(key, 0) + 1
         tenant = tenant_of(w.features)
-        self._asking[tenant] = self._asking.get(tenant, 0) + self.cost(w.features)
+        w.cost = self.cost(w.features)
+        self._asking[tenant] = self._asking.get(tenant, 0) + w.cost
 
     def _take(self, decision_id: str) -> Waiting | None:
         """Where a waiting request leaves the queue, and its key's and its tenant's counts come down."""
@@ -112,7 +129,7 @@ class GatewayQueue:
         if w is None:
             return None
         _less(self._per_key, w.features.client_key, 1)
-        _less(self._asking, tenant_of(w.features), self.cost(w.features))
+        _less(self._asking, tenant_of(w.features), w.cost)
         return w
 
     def remove(self, decision_id: str) -> Waiting | None:
@@ -207,14 +224,65 @@ class GatewayQueue:
 
     def cost(self, f: Features) -> int:
         """The service a request takes, in prompt tokens: its own, and the output it may write at
-        ``fair_output_weight`` each (``kvgate.tenants``)."""
-        output = f.output_tokens(self.config.fair_output_tokens)
-        return f.est_tokens + round(self.config.fair_output_weight * output)
+        ``fair_output_weight`` each (``kvgate.tenants``): of its ``max_tokens``, the share its
+        tenant's requests have written lately (``TenantLedger.writes``), else
+        ``fair_output_tokens``."""
+        return f.est_tokens + self._output_cost(f)
+
+    def output(self, f: Features) -> int:
+        """The output tokens ``f`` is expected to write: of its ``max_tokens``, the share its
+        tenant's requests have written lately (learned in the fair order, else all), else
+        ``fair_output_tokens``. Its charge when routed, and what the reserve's KV mark counts it
+        as taking (``kvgate.inflight``)."""
+        tokens = f.output_tokens(self.config.fair_output_tokens)
+        if f.max_tokens is not None:
+            tokens = round(tokens * self.tenants.writes(tenant_of(f)))
+        return tokens
+
+    def _output_cost(self, f: Features) -> int:
+        """The output part of ``f``'s cost, charged when it is routed."""
+        return round(self.config.fair_output_weight * self.output(f))
 
     def served(self, tenant: str, tokens: int) -> None:
-        """A request of ``tenant`` was routed (from the queue or not): its service grows by its
-        ``cost``."""
+        """``tenant`` had ``tokens`` of service: a routed request's cost (``charge``)."""
         self.tenants.add(tenant, tokens, self.clock())
+
+    def charge(self, decision_id: str, f: Features) -> tuple[str, int]:
+        """A request was routed (from the queue or not): its tenant's service grows by its ``cost``,
+        which ``settle`` corrects at its end. Returns the tenant and the cost."""
+        tenant, cost = tenant_of(f), self.cost(f)
+        self.served(tenant, cost)
+        if self.config.charges_output:
+            asked = f.output_tokens(0) if f.max_tokens is not None else None
+            self._charged[decision_id] = Charge(tenant, cost, self._output_cost(f), self.clock(), asked)
+            if len(self._charged) > MAX_CHARGED:
+                self._charged.popitem(last=False)
+        return tenant, cost
+
+    def settle(self, o: Outcome) -> None:
+        """A routed request ended, or was dropped: its tenant's service is corrected. A request is
+        charged for what its backend's usage says it wrote, not for the ``max_tokens`` it asked (a
+        client that asks for far more than it gets would otherwise be held as past its share), and
+        the share of it written teaches what its tenant's next requests are charged when routed. One
+        that never ran gives its whole cost back; an end without usage keeps its charge. The one
+        place a charge leaves (besides the bound)."""
+        charge = self._charged.pop(o.decision_id, None) if o.decision_id is not None else None
+        if charge is None:
+            return
+        if o.kind is OutcomeKind.DROP:
+            change = -charge.cost
+        elif o.completion_tokens is not None:
+            change = round(self.config.fair_output_weight * o.completion_tokens) - charge.output
+            if charge.asked:
+                self.tenants.wrote(charge.tenant, o.completion_tokens / charge.asked)
+        else:
+            return
+        now = self.clock()
+        self.tenants.correct(charge.tenant, change * self.tenants.decay(charge.at, now), now)
+
+    def charges(self) -> int:
+        """Routed requests whose charge awaits their end (``GET /debug/memory``)."""
+        return len(self._charged)
 
     def retry_after(self) -> int:
         """Seconds until the queue should have room: its length over the recent dispatch rate."""

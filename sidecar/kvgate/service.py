@@ -42,7 +42,7 @@ from kvgate.queue import GatewayQueue, QueueFull, QueueTimeout, Waiting
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
 from kvgate.slo import Judgement, SloGate, SloShed, Verdict
-from kvgate.tenants import DepthCollector, label_of, tenant_of
+from kvgate.tenants import DepthCollector, ServiceCollector, label_of, tenant_of
 from kvgate.tokenize import TokenSource
 from kvgate.tokens import TokenEstimator
 
@@ -94,14 +94,14 @@ class DecisionService:
         self.queue = GatewayQueue(config.queue) if config.queue.enabled else None
         if self.queue is not None:
             metrics.registry.register(DepthCollector(self.queue.waiting_features))
+            metrics.registry.register(ServiceCollector(self.queue.tenants, self.queue.clock))
         self.admission = Admission(config, metrics, limiter)
         self.slo = SloGate(config.slo, metrics)
         self.planner = Planner(config, registry, sessions, index, metrics, self.first_byte, exact)
         registry.on_restart.append(self.planner.residency.restart)
         self.affinity = Affinity(config, sessions, metrics)
-        self.outcomes = Outcomes(
-            registry, sessions, self.admission, self.tokens, self.first_byte, metrics, self.abandon, self.slo
-        )
+        parts = (self.admission, self.tokens, self.first_byte, metrics, self.abandon, self.slo, self.queue)
+        self.outcomes = Outcomes(registry, sessions, *parts)
         self._wake: asyncio.Event | None = None  # live: sets off the dispatcher (dispatch_loop)
         self._seq = itertools.count(1)
         # For GET /debug/decisions (formatted there, by kvgate.http_api, only when asked for).
@@ -220,7 +220,8 @@ class DecisionService:
 
         primary = decision.candidates[0]
         ledger, own = self.registry.ledger, work(primary)
-        output = f.output_tokens(self.config.queue.fair_output_tokens)
+        queue, fair = self.queue, self.config.queue.fair_output_tokens
+        output = queue.output(f) if queue is not None else f.output_tokens(fair)
         ledger.start(
             did, primary, own[0], ledger.clock(), f.model, f.prompt_bytes, own[1], f.completions, output
         )
@@ -242,8 +243,7 @@ class DecisionService:
         if (objective := self.slo.objective(f)) is not None:
             self.slo.promise(did, objective)
         if self.queue is not None:  # every routed request is service its tenant had (fair order)
-            tenant, cost = tenant_of(f), self.queue.cost(f)
-            self.queue.served(tenant, cost)
+            tenant, cost = self.queue.charge(did, f)
             self.metrics.of(self.metrics.tenant_tokens, label_of(tenant)).inc(f.est_tokens)
             self.metrics.of(self.metrics.tenant_service, label_of(tenant)).inc(cost)
         self.recent.append((routed, f))
@@ -381,6 +381,7 @@ class DecisionService:
             "rate_limit_identities": len(self.limiter) if self.limiter is not None else 0,
             "queue_waiting": len(self.queue) if self.queue is not None else 0,
             "queue_keys_waiting": self.queue.keys_waiting() if self.queue is not None else 0,
+            "tenant_charges_awaiting_end": self.queue.charges() if self.queue is not None else 0,
             "recent_decisions": len(self.recent),
             "objectives_awaiting_end": len(self.slo),
             "models_learned": len(self.tokens.learned),

@@ -3,11 +3,16 @@
 A tenant is an API key (its name, when the gateway checks keys), else the client's address. Each
 routed request adds its cost to its tenant's *attained service*, which decays with a half-life of
 ``queue.fair_window`` so that what a tenant got a minute ago counts less than what it got now. The
-cost is its estimated prompt tokens plus the output it may write (``max_tokens``, else
-``queue.fair_output_tokens``) at ``queue.fair_output_weight`` each (``GatewayQueue.cost``), as a
-virtual token counter weighs them: a tenant that sends short prompts asking for long answers takes
-the engines' steps and KV cache in decodes, and counted by its prompts alone it looked under its
-share while the tenant it crowded out looked over it and was held for the reserve. The fair order
+cost is its estimated prompt tokens plus the output it may write at ``queue.fair_output_weight``
+each (``GatewayQueue.cost``), as a virtual token counter weighs them: a tenant that sends short
+prompts asking for long answers takes the engines' steps and KV cache in decodes, and counted by
+its prompts alone it looked under its share while the tenant it crowded out looked over it and was
+held for the reserve. The output is what the request's end says it wrote (the usage Nginx reads,
+``GatewayQueue.settle``); until then, the share of its ``max_tokens`` its tenant's requests have
+written lately (``writes``; 1 until an end says), else ``queue.fair_output_tokens``. Charged for
+all of its ``max_tokens``, a tenant whose clients ask for 4,096 tokens and get a few hundred was
+past its share and held for the reserve (on the benchmark, its p90 hundreds of times its value
+alone). The fair order
 (``kvgate.queue``) then gives each waiting request a virtual finish tag: its tenant's attained
 service plus the cost of that tenant's requests ahead of it in the queue, plus its own; the
 smallest tag goes first. A tenant that floods gets its share and no more; one that sends little is
@@ -48,6 +53,11 @@ FORGET_BELOW = 1.0  # tokens of decayed service under which a tenant is dropped
 SWEEP_EVERY = 1024  # counts between two sweeps of forgotten tenants
 SHARE_EVERY_S = 0.1  # the total service and the active tenants are summed again this often
 ACTIVE_SHARE = 0.01  # a tenant with less of the recent service does not count as competing
+# Of the max_tokens a tenant's requests ask for, the share they write: learned from each end's usage
+# (the first replaces the prior of 1, then a moving mean at this pace), never under MIN_WRITES (a
+# tenant that wrote little once cannot then ask for long answers at almost no charge).
+WRITES_PACE = 0.2
+MIN_WRITES = 1 / 32
 
 
 def tenant_of(f: Features) -> str:
@@ -65,6 +75,8 @@ def label_of(tenant: str) -> str:
 class _Service:
     tokens: float
     at: float
+    writes: float = 1.0  # of the max_tokens its requests ask for, the share they write
+    learned: bool = False  # whether ``writes`` has heard of an end yet
 
 
 class TenantLedger:
@@ -80,11 +92,18 @@ class TenantLedger:
     def __len__(self) -> int:
         return len(self._service)
 
+    def tenants(self) -> list[str]:
+        return list(self._service)
+
+    def decay(self, since: float, now: float) -> float:
+        """What a token of service counted at ``since`` counts at ``now``."""
+        return math.exp2(-(now - since) / self.half_life_s)
+
     def attained(self, tenant: str, now: float) -> float:
         s = self._service.get(tenant)
         if s is None:
             return 0.0
-        return s.tokens * math.exp2(-(now - s.at) / self.half_life_s)
+        return s.tokens * self.decay(s.at, now)
 
     def over_share(self, tenant: str, now: float, waiting: Mapping[str, int] | None = None) -> bool:
         """Whether ``tenant`` had more than an equal share of the recent total, among the tenants
@@ -106,12 +125,43 @@ class TenantLedger:
         active = self._active[1]
         return active > 1 and asks(tenant) > total / active
 
+    def correct(self, tenant: str, tokens: float, now: float) -> None:
+        """``tenant``'s service moves by ``tokens`` (either sign, never under 0): a request it was
+        charged for wrote more or less than it asked, or never ran. A tenant already forgotten
+        stays so."""
+        s = self._service.get(tenant)
+        if s is None:
+            return
+        had = self.attained(tenant, now)
+        s.tokens, s.at = max(0.0, had + tokens), now
+        decay = self.decay(self._total.at, now)
+        self._total = _Service(max(0.0, self._total.tokens * decay + s.tokens - had), now)
+
+    def writes(self, tenant: str) -> float:
+        """Of the ``max_tokens`` ``tenant``'s requests ask for, the share they write (1 until an
+        end says otherwise): what a request is charged for when routed, before its end says."""
+        s = self._service.get(tenant)
+        return 1.0 if s is None else s.writes
+
+    def wrote(self, tenant: str, share: float) -> None:
+        """A request of ``tenant`` ended having written ``share`` of the ``max_tokens`` it asked."""
+        s = self._service.get(tenant)
+        if s is None:
+            return
+        share = min(1.0, max(MIN_WRITES, share))
+        s.writes = share if not s.learned else s.writes + WRITES_PACE * (share - s.writes)
+        s.learned = True
+
     def add(self, tenant: str, tokens: float, now: float) -> None:
-        """``tenant`` had a request of ``tokens`` estimated prompt tokens routed."""
-        self._service[tenant] = _Service(self.attained(tenant, now) + tokens, now)
+        """``tenant`` had a request of ``tokens`` routed (its cost)."""
+        s = self._service.get(tenant)
+        if s is None:
+            self._service[tenant] = _Service(tokens, now)
+        else:
+            s.tokens, s.at = self.attained(tenant, now) + tokens, now
         # Kept exact as it goes, not summed now and then: in a burst, a total some counts old would
         # put every tenant past its share.
-        decay = math.exp2(-(now - self._total.at) / self.half_life_s)
+        decay = self.decay(self._total.at, now)
         self._total = _Service(self._total.tokens * decay + tokens, now)
         self._counted += 1
         if self._counted % SWEEP_EVERY == 0:
@@ -133,4 +183,31 @@ class DepthCollector(Collector):
         )
         for label, n in sorted(Counter(label_of(tenant_of(f)) for f in self._waiting()).items()):
             family.add_metric([label], n)
+        yield family
+
+
+class ServiceCollector(Collector):
+    """``kvgate_tenant_attained_tokens{tenant}``: the service the fair order counts for each tenant
+    now (decayed, and corrected at each request's end), read from the ledger when Prometheus asks.
+    Beside ``kvgate_tenant_service_tokens`` (what each request was charged when routed), it says
+    why a tenant is judged past its share."""
+
+    def __init__(self, ledger: TenantLedger, clock: Callable[[], float]) -> None:
+        self._ledger = ledger
+        self._clock = clock
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kvgate_tenant_attained_tokens",
+            "The service the fair order counts for each tenant now, in prompt tokens: its requests' "
+            "costs, halved every queue.fair_window, each corrected at its end by the output its "
+            "usage reports.",
+            labels=["tenant"],
+        )
+        now, sums = self._clock(), dict[str, float]()
+        for tenant in self._ledger.tenants():
+            label = label_of(tenant)
+            sums[label] = sums.get(label, 0.0) + self._ledger.attained(tenant, now)
+        for label, tokens in sorted(sums.items()):
+            family.add_metric([label], round(tokens, 1))
         yield family

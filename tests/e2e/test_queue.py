@@ -223,3 +223,32 @@ def test_a_long_prompt_waits_its_gather_time_and_a_short_one_does_not(stack: Sup
     assert 0.4 <= long < 2.0, long
     wait_until(lambda: metric(gw, "kvgate_queue_wait_seconds_count") == waited_before + 1, timeout=5)
     wait_until(idle(gw), timeout=10)
+
+
+def test_the_fair_order_charges_a_tenant_what_its_streams_wrote_not_what_they_asked(
+    stack: Supervisor,
+) -> None:
+    """Streams asking for 2,000 tokens each that stop at their end of sequence (the simulator draws
+    it near 128): Nginx asks the backend for each stream's usage, strips it from what the client
+    gets (the client did not ask), and reports it; the fair order's count of the tenant
+    (``kvgate_tenant_attained_tokens``) is then its prompts plus the output written, not the output
+    asked for (``kvgate_tenant_service_tokens``, the charges when routed)."""
+    gw = gateway(stack, order="fair", fair_output_weight=4)
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    written = 0
+    for i in range(4):
+        messages: Any = [{"role": "user", "content": f"tell me a story, number {i}"}]
+        chunks = list(
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2000, stream=True)
+        )
+        assert all(c.usage is None for c in chunks)  # not asked for, not sent
+        written += sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+        wait_until(idle(gw), timeout=2)  # its end (with the usage) has reached the sidecar
+    assert 0 < written < 4 * 1000  # they stopped well short of what they asked for
+    prompts = metric(gw, "kvgate_tenant_routed_tokens_total")
+    # The first was charged, when routed, for all it asked; the next for the share the first wrote.
+    charged = metric(gw, "kvgate_tenant_service_tokens_total")
+    assert prompts + 4 * 2000 < charged < prompts + 4 * 2000 + 3 * 4 * 2000 / 4, charged
+    counted = metric(gw, "kvgate_tenant_attained_tokens")
+    # Decayed over the test's seconds (a 60 s half-life), else exact.
+    assert 0.9 * (prompts + 4 * written) <= counted <= prompts + 4 * written + 1, (counted, prompts, written)

@@ -97,7 +97,8 @@ class QueueConfig:
         "fair: and only to a backend whose KV cache is less used than this, the reserve's backends "
         "too, so that the others' next request finds KV blocks free (a flood's decodes fill every "
         "cache), counting what the requests in flight there may newly take (the prompt they "
-        "prefill, max_tokens each) when that is more than the last scrape saw; 1: off",
+        "prefill, the output each is expected to write) when that is more than the last scrape "
+        "saw; 1: off",
     )
     fair_output_tokens: int = whole(
         512,
@@ -111,16 +112,17 @@ class QueueConfig:
     # --flood-output): two tiny-CPU profiles, the flood at half the quiet tenant's rate with answers
     # 8x as long: the quiet tenant's p90 4,700-5,500x its value alone with prompts alone, 1.15-1.18x
     # at 2, 4 and 8; four H100 profiles, the flood at 1x with answers 4x as long: 2.18x, then 1.58x
-    # at 2, 1.41x at 4, 1.27x at 8. Each request is charged what it asks for, not what it writes, so
-    # a higher weight also weighs more on a tenant that asks for far more than it gets.
+    # at 2, 1.41x at 4, 1.27x at 8. Each request's charge is corrected at its end to what it wrote
+    # (charged for its max_tokens, a quiet tenant asking for 4,096 was held at 560-1,700x alone).
     fair_output_weight: float = number(
         4.0,
         0.0,
         100.0,
         "fair: an output token counts as this many prompt tokens in a tenant's service (a virtual "
         "token counter: a tenant asking for long answers takes the engines' time and cache in "
-        "decodes); each request is counted as writing its max_tokens, else fair_output_tokens; "
-        "0: prompts only",
+        "decodes); a request is charged what its usage says it wrote (Nginx then reads it), until "
+        "its end the share of its max_tokens its tenant's requests wrote lately, else "
+        "fair_output_tokens; 0: prompts only",
     )
     client_priority: bool = flag(False, "honour priorities clients send (body priority, X-Priority)")
     forward_priority: bool = flag(
@@ -131,6 +133,12 @@ class QueueConfig:
     heartbeat_s: float = millis(
         500, 50, 10_000, "a waiting request's connection hears from the sidecar this often"
     )
+
+    @property
+    def charges_output(self) -> bool:
+        """The fair order charges a tenant for its requests' output, corrected at each request's end
+        by the usage its backend reports (which Nginx then reads)."""
+        return self.enabled and self.order is DispatchOrder.FAIR and self.fair_output_weight > 0
 
 
 @dataclass(frozen=True, slots=True)
