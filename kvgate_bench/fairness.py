@@ -11,6 +11,7 @@ per tenant: mean, p50 and p90 TTFT of the requests served, and how many the gate
 
     kvgate-bench fairness --duration 300 --flood 3
     kvgate-bench fairness --duration 300 --flood 0.5 --flood-output 8   # a flood of long answers
+    kvgate-bench fairness --duration 300 --flood 3 --quiet-asks 4096    # a generous max_tokens
     kvgate-bench fairness --real-vllm 2 --trace-block-tokens 32 --duration 120 --flood 3
 """
 
@@ -54,10 +55,12 @@ def two_tenants(
     model: str = SIM_MODEL,
     most: int | None = None,
     flood_output: float = 1.0,
+    quiet_asks: int | None = None,
 ) -> tuple[list[BenchRequest], list[str]]:
     """The quiet tenant's window (from ``start`` s) and the flood's (``gap`` s after it, its arrivals
     ``flood`` times as dense, over the same ``duration``, its answers ``flood_output`` times as
-    long), merged and renumbered; each request's tenant. ``words``, ``block``: as
+    long), merged and renumbered; each request's tenant. ``quiet_asks``: the ``max_tokens`` the
+    quiet tenant's requests ask for; they write what the trace says (virtual time). ``words``, ``block``: as
     ``workloads.scaled`` writes them (real vLLM); ``most``: the longest request kept
     (``workloads.within``)."""
 
@@ -70,6 +73,8 @@ def two_tenants(
         return within(reqs, most)
 
     quiet, loud = window(start, duration), window(start + gap, duration * flood, flood_output)
+    if quiet_asks is not None:
+        quiet = [dataclasses.replace(r, asks=max(quiet_asks, r.output_tokens)) for r in quiet]
     tagged = [(r.arrival, QUIET, r) for r in quiet] + [(r.arrival / flood, FLOOD, r) for r in loud]
     tagged.sort(key=lambda t: t[0])
     reqs = [dataclasses.replace(r, rid=i, arrival=at) for i, (at, _, r) in enumerate(tagged)]
@@ -153,6 +158,7 @@ def window(args: argparse.Namespace, start: float, fleet: Any, out: Path) -> lis
         model=args.model or SIM_MODEL,
         most=args.max_context,
         flood_output=args.flood_output,
+        quiet_asks=args.quiet_asks,
     )
     rows = []
     for label, both, order, reserve in RUNS:
@@ -239,6 +245,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1.0,
         help="the flooding tenant's answers, x their length in the trace (a flood of decodes)",
     )
+    p.add_argument(
+        "--quiet-asks",
+        type=int,
+        default=None,
+        help="the max_tokens the quiet tenant's requests ask for; they write what the trace says "
+        "(a client's generous limit; virtual time only)",
+    )
     # One window of a trace is one sample of a noisy quantity (a p90 of a few hundred requests past
     # saturation): a change is judged over several.
     p.add_argument(
@@ -256,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_real_args(p)  # through the whole gateway, each tenant under its own API key
     add_scale_args(p)
     args = p.parse_args(argv)
+    if args.quiet_asks is not None and args.real_vllm:
+        p.error("--quiet-asks: a real engine writes all it is asked for (ignore_eos); virtual time only")
     args.model, args.words = None, "filler"
     fit_to_real(args)  # the fleet's model and words with --real-vllm
     out = Path(args.out)

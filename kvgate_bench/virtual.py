@@ -234,10 +234,9 @@ def replay(
                 expected,
             )
         )
-        ttft, e2e = first - req.arrival, end - req.arrival
-        outcome = Outcome.end(
-            sent.decision, sent.backend, 200, True, ttft, e2e, cached_tokens=req.cached_tokens
-        )
+        # The response's usage, as Nginx reads it (the fair order corrects a tenant's charge by it).
+        ttft, e2e, usage = first - req.arrival, end - req.arrival, (req.num_output, None, req.cached_tokens)
+        outcome = Outcome.end(sent.decision, sent.backend, 200, True, ttft, e2e, False, None, *usage)
         tell(sent.replica, outcome)
         done += 1
         if progress is not None and (done % 200 == 0 or done == len(requests)):

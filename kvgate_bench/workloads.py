@@ -71,6 +71,7 @@ class BenchRequest:
     headers: dict[str, str] = field(default_factory=dict)
     words: str = "filler"  # trace: which FILLERS writes its blocks
     block_tokens: int = TRACE_BLOCK_TOKENS  # trace: tokens each hash id stands for (scaled traces)
+    asks: int | None = None  # max_tokens asked, when more than it writes (virtual: ignore_eos writes all)
 
     @property
     def path(self) -> str:
@@ -88,7 +89,7 @@ class BenchRequest:
     def body(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "model": self.model,
-            "max_tokens": self.output_tokens,
+            "max_tokens": self.output_tokens if self.asks is None else self.asks,
             "ignore_eos": True,
             "stream": True,
         }

@@ -10,7 +10,9 @@ import json
 import statistics
 from pathlib import Path
 
+import pytest
 from kvgate.public import PolicyName
+from kvgate.queue import GatewayQueue
 
 from kvgate_bench import fairness, report, virtual
 from kvgate_bench.fairness import FLOOD, QUIET, queue_section, run, two_tenants
@@ -95,3 +97,36 @@ def test_a_flood_of_long_answers_is_past_its_share_and_the_quiet_tenant_keeps_it
     alone = quiet_p90(False, 2.0)
     assert quiet_p90(True, 0.0) > 10 * alone  # prompts alone: the quiet tenant held back
     assert quiet_p90(True, 2.0) < 1.5 * alone
+
+
+def test_a_quiet_tenant_asking_a_generous_max_tokens_is_charged_what_it_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The quiet tenant's clients ask for 4,096 tokens and get what the trace says (a few hundred),
+    against the usual flood at 3x, on two tiny-CPU backends. Charged for what it asked, the quiet
+    tenant looked past its share, its waiting requests kept it so, and it waited at the gateway for
+    a reserve the flood took (its p90 in tens of seconds); charged at each end for what it wrote,
+    and when routed for the share its requests write, it keeps its TTFT."""
+    reqs, tenants = two_tenants(DEFAULT_TRACE, 30.0, 3.0, block=32, most=16384, quiet_asks=4096)
+    quiet = [r for r, t in zip(reqs, tenants, strict=True) if t == QUIET]
+    assert all(r.asks == 4096 and r.body()["max_tokens"] == 4096 for r in quiet)
+    assert sum(r.output_tokens for r in quiet) < len(quiet) * 4096 / 4
+
+    def quiet_p90(both: bool) -> float:
+        picked = [i for i, t in enumerate(tenants) if both or t == QUIET]
+        these = [dataclasses.replace(reqs[i], rid=n) for n, i in enumerate(picked)]
+        whose = [tenants[i] for i in picked]
+        feats = [
+            dataclasses.replace(f, client_key=t)
+            for f, t in zip(virtual.features_for(these), whose, strict=True)
+        ]
+        extra = {"queue": queue_section("fair", None)}
+        result = virtual.replay(these, feats, PolicyName.KVGATE, 2, get_profile(TINY), extra=extra)
+        return report.pct(sorted(r.ttft for r in result.results if whose[r.rid] == QUIET), 0.9)
+
+    alone, fair = quiet_p90(False), quiet_p90(True)
+    monkeypatch.setattr(GatewayQueue, "settle", lambda self, o: None)  # charged what it asked, for good
+    asked = quiet_p90(True)
+    print(f"quiet p90: alone {alone:.3f} s, charged what it wrote {fair:.3f} s, what it asked {asked:.3f} s")
+    assert fair < 1.5 * alone
+    assert asked > 10 * alone
