@@ -223,10 +223,8 @@ class GatewayQueue:
         return self.tenants.over_share(tenant_of(f), self.clock(), self._asking)
 
     def cost(self, f: Features) -> int:
-        """The service a request takes, in prompt tokens: its own, and the output it may write at
-        ``fair_output_weight`` each (``kvgate.tenants``): of its ``max_tokens``, the share its
-        tenant's requests have written lately (``TenantLedger.writes``), else
-        ``fair_output_tokens``."""
+        """The service a request takes, in prompt tokens: its own, and its expected ``output`` at
+        ``fair_output_weight`` each (``kvgate.tenants``)."""
         return f.est_tokens + self._output_cost(f)
 
     def output(self, f: Features) -> int:
