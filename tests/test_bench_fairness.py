@@ -69,6 +69,24 @@ def test_several_windows_report_the_goal_figure_per_window_its_median_and_worst(
     assert f"| 600 s | {data['windows'][1]['rows'][0][QUIET]['p90']:.3f} s |" in text
 
 
+def tiny_quiet_p90(
+    reqs: list[BenchRequest], tenants: list[str], both: bool, queue: dict[str, float]
+) -> float:
+    """The quiet tenant's p90 TTFT on two tiny-CPU profiles in the fair order (``queue``: settings
+    over the benchmark's), alone or (``both``) beside the flood; each request under its tenant's key,
+    its ``max_tokens`` read from its body as Nginx reads it."""
+    picked = [i for i, t in enumerate(tenants) if both or t == QUIET]
+    these = [dataclasses.replace(reqs[i], rid=n) for n, i in enumerate(picked)]
+    whose = [tenants[i] for i in picked]
+    feats = [
+        dataclasses.replace(f, client_key=t) for f, t in zip(virtual.features_for(these), whose, strict=True)
+    ]
+    assert all(f.max_tokens for f in feats)
+    extra = {"queue": {**queue_section("fair", None), **queue}}
+    result = virtual.replay(these, feats, PolicyName.KVGATE, 2, get_profile(TINY), extra=extra)
+    return report.pct(sorted(r.ttft for r in result.results if whose[r.rid] == QUIET), 0.9)
+
+
 def test_a_flood_of_long_answers_is_past_its_share_and_the_quiet_tenant_keeps_its_ttft() -> None:
     """The flood sends half the quiet tenant's prompts but asks for answers eight times as long, on
     two tiny-CPU backends: its decodes fill the engines. Counted by prompt tokens alone the quiet
@@ -82,17 +100,7 @@ def test_a_flood_of_long_answers_is_past_its_share_and_the_quiet_tenant_keeps_it
     )
 
     def quiet_p90(both: bool, weight: float) -> float:
-        picked = [i for i, t in enumerate(tenants) if both or t == QUIET]
-        these = [dataclasses.replace(reqs[i], rid=n) for n, i in enumerate(picked)]
-        whose = [tenants[i] for i in picked]
-        feats = [
-            dataclasses.replace(f, client_key=t)
-            for f, t in zip(virtual.features_for(these), whose, strict=True)
-        ]
-        assert all(f.max_tokens for f in feats)  # as Nginx reads them from each body
-        queue = {**queue_section("fair", None), "fair_output_weight": weight}
-        result = virtual.replay(these, feats, PolicyName.KVGATE, 2, get_profile(TINY), extra={"queue": queue})
-        return report.pct(sorted(r.ttft for r in result.results if whose[r.rid] == QUIET), 0.9)
+        return tiny_quiet_p90(reqs, tenants, both, {"fair_output_weight": weight})
 
     alone = quiet_p90(False, 2.0)
     assert quiet_p90(True, 0.0) > 10 * alone  # prompts alone: the quiet tenant held back
@@ -113,16 +121,7 @@ def test_a_quiet_tenant_asking_a_generous_max_tokens_is_charged_what_it_writes(
     assert sum(r.output_tokens for r in quiet) < len(quiet) * 4096 / 4
 
     def quiet_p90(both: bool) -> float:
-        picked = [i for i, t in enumerate(tenants) if both or t == QUIET]
-        these = [dataclasses.replace(reqs[i], rid=n) for n, i in enumerate(picked)]
-        whose = [tenants[i] for i in picked]
-        feats = [
-            dataclasses.replace(f, client_key=t)
-            for f, t in zip(virtual.features_for(these), whose, strict=True)
-        ]
-        extra = {"queue": queue_section("fair", None)}
-        result = virtual.replay(these, feats, PolicyName.KVGATE, 2, get_profile(TINY), extra=extra)
-        return report.pct(sorted(r.ttft for r in result.results if whose[r.rid] == QUIET), 0.9)
+        return tiny_quiet_p90(reqs, tenants, both, {})
 
     alone, fair = quiet_p90(False), quiet_p90(True)
     monkeypatch.setattr(GatewayQueue, "settle", lambda self, o: None)  # charged what it asked, for good
