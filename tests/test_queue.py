@@ -304,8 +304,11 @@ def test_a_charge_is_corrected_at_its_end_by_what_the_request_wrote() -> None:
     q.settle(Outcome.end("d5", "b0", 200, completion_tokens=2000))  # half: a moving mean moves
     assert q.tenants.attained("key:a", clock.t) == 650 + 100 + 4000
     assert q.tenants.writes("key:a") == 1 / 32 + 0.2 * (0.5 - 1 / 32)
+    q.charge("d6", generous)
+    q.settle(Outcome.end("d6", "b0", 200, completion_tokens=10**12))  # more than it asked: what it asked
+    assert q.tenants.attained("key:a", clock.t) == 4750 + 100 + 8000 and q.tenants.writes("key:a") <= 1.0
     q.settle(Outcome.end("d1", "b0", 200, completion_tokens=1))  # a second end corrects nothing
-    assert q.tenants.attained("key:a", clock.t) == 4750 and q.charges() == 0
+    assert q.tenants.attained("key:a", clock.t) == 12850 and q.charges() == 0
     # A long request: its charge decayed while it ran, and so does its correction (as if what it
     # wrote had been charged when it was routed).
     q2, clock2 = queue(order=DispatchOrder.FAIR, fair_output_weight=2.0, fair_window_s=10.0)

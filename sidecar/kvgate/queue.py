@@ -225,7 +225,7 @@ class GatewayQueue:
     def cost(self, f: Features) -> int:
         """The service a request takes, in prompt tokens: its own, and its expected ``output`` at
         ``fair_output_weight`` each (``kvgate.tenants``)."""
-        return f.est_tokens + self._output_cost(f)
+        return f.est_tokens + round(self.config.fair_output_weight * self.output(f))
 
     def output(self, f: Features) -> int:
         """The output tokens ``f`` is expected to write: of its ``max_tokens``, the share its
@@ -236,10 +236,6 @@ class GatewayQueue:
         if f.max_tokens is not None:
             tokens = round(tokens * self.tenants.writes(tenant_of(f)))
         return tokens
-
-    def _output_cost(self, f: Features) -> int:
-        """The output part of ``f``'s cost, charged when it is routed."""
-        return round(self.config.fair_output_weight * self.output(f))
 
     def served(self, tenant: str, tokens: int) -> None:
         """``tenant`` had ``tokens`` of service: a routed request's cost (``charge``)."""
@@ -252,7 +248,7 @@ class GatewayQueue:
         self.served(tenant, cost)
         if self.config.charges_output:
             asked = f.output_tokens(0) if f.max_tokens is not None else None
-            self._charged[decision_id] = Charge(tenant, cost, self._output_cost(f), self.clock(), asked)
+            self._charged[decision_id] = Charge(tenant, cost, cost - f.est_tokens, self.clock(), asked)
             if len(self._charged) > MAX_CHARGED:
                 self._charged.popitem(last=False)
         return tenant, cost
@@ -270,9 +266,11 @@ class GatewayQueue:
         if o.kind is OutcomeKind.DROP:
             change = -charge.cost
         elif o.completion_tokens is not None:
-            change = round(self.config.fair_output_weight * o.completion_tokens) - charge.output
+            # No more than it asked: a backend's usage is a number Nginx read from its answer.
+            wrote = o.completion_tokens if charge.asked is None else min(o.completion_tokens, charge.asked)
+            change = round(self.config.fair_output_weight * wrote) - charge.output
             if charge.asked:
-                self.tenants.wrote(charge.tenant, o.completion_tokens / charge.asked)
+                self.tenants.wrote(charge.tenant, wrote / charge.asked)
         else:
             return
         now = self.clock()
