@@ -60,8 +60,8 @@ def two_tenants(
     """The quiet tenant's window (from ``start`` s) and the flood's (``gap`` s after it, its arrivals
     ``flood`` times as dense, over the same ``duration``, its answers ``flood_output`` times as
     long), merged and renumbered; each request's tenant. ``quiet_asks``: the ``max_tokens`` the
-    quiet tenant's requests ask for; they write what the trace says (virtual time). ``words``, ``block``: as
-    ``workloads.scaled`` writes them (real vLLM); ``most``: the longest request kept
+    quiet tenant's requests ask for; they write what the trace says (virtual time). ``words``,
+    ``block``: as ``workloads.scaled`` writes them (real vLLM); ``most``: the longest request kept
     (``workloads.within``)."""
 
     def window(start: float, length: float, output: float = 1.0) -> list[BenchRequest]:

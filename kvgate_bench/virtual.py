@@ -234,9 +234,10 @@ def replay(
                 expected,
             )
         )
-        # The response's usage, as Nginx reads it (the fair order corrects a tenant's charge by it).
-        ttft, e2e, usage = first - req.arrival, end - req.arrival, (req.num_output, None, req.cached_tokens)
-        outcome = Outcome.end(sent.decision, sent.backend, 200, True, ttft, e2e, False, None, *usage)
+        ttft, e2e, wrote, cached = first - req.arrival, end - req.arrival, req.num_output, req.cached_tokens
+        outcome = Outcome.end(  # with the usage Nginx reads (the fair order corrects charges by it)
+            sent.decision, sent.backend, 200, True, ttft, e2e, completion_tokens=wrote, cached_tokens=cached
+        )
         tell(sent.replica, outcome)
         done += 1
         if progress is not None and (done % 200 == 0 or done == len(requests)):

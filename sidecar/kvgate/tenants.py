@@ -134,6 +134,8 @@ class TenantLedger:
             return
         had = self.attained(tenant, now)
         s.tokens, s.at = max(0.0, had + tokens), now
+        # Kept exact as it goes, not summed now and then: in a burst, a total some counts old would
+        # put every tenant past its share.
         decay = self.decay(self._total.at, now)
         self._total = _Service(max(0.0, self._total.tokens * decay + s.tokens - had), now)
 
@@ -154,15 +156,8 @@ class TenantLedger:
 
     def add(self, tenant: str, tokens: float, now: float) -> None:
         """``tenant`` had a request of ``tokens`` routed (its cost)."""
-        s = self._service.get(tenant)
-        if s is None:
-            self._service[tenant] = _Service(tokens, now)
-        else:
-            s.tokens, s.at = self.attained(tenant, now) + tokens, now
-        # Kept exact as it goes, not summed now and then: in a burst, a total some counts old would
-        # put every tenant past its share.
-        decay = self.decay(self._total.at, now)
-        self._total = _Service(self._total.tokens * decay + tokens, now)
+        self._service.setdefault(tenant, _Service(0.0, now))
+        self.correct(tenant, tokens, now)
         self._counted += 1
         if self._counted % SWEEP_EVERY == 0:
             self._service = {t: s for t, s in self._service.items() if self.attained(t, now) >= FORGET_BELOW}
