@@ -280,8 +280,9 @@ def test_a_charge_is_corrected_at_its_end_by_what_the_request_wrote() -> None:
     """A client asking for 4,000 tokens that gets 100 is charged for 100 once its usage comes back,
     and its next requests are charged, when routed, for the share its requests wrote (never under
     1/32 of what they ask); one with no max_tokens that writes 900 is charged 900, not the
-    configured 300; a request that never ran (dropped) gives its whole cost back; an end without
-    usage keeps its charge. Every charge leaves at its end or drop."""
+    configured 300; a request that never ran (dropped) gives its whole cost back, one its backend
+    refused its output; any other end without usage keeps its charge. Every charge leaves at its end
+    or drop."""
     q, clock = queue(order=DispatchOrder.FAIR, fair_output_tokens=300, fair_output_weight=2.0)
     generous = Features("m", None, "none", (), 400, client_key="a", max_tokens=4000)
     tenant, cost = q.charge("d1", generous)
@@ -297,18 +298,27 @@ def test_a_charge_is_corrected_at_its_end_by_what_the_request_wrote() -> None:
     q.charge("d3", generous)
     q.settle(Outcome.drop("d3"))
     assert q.tenants.attained("key:a", clock.t) == 300  # as before d3
+    for status in (502, 499, 0):  # no usage: the engine may have written for it
+        q.charge("d4", generous)
+        q.settle(Outcome.end("d4", "b0", status))
+        assert q.tenants.attained("key:a", clock.t) == 300 + 350, status
+        q.tenants.correct("key:a", -350, clock.t)
     q.charge("d4", generous)
-    q.settle(Outcome.end("d4", "b0", 502))  # no usage: what it wrote is unknown
-    assert q.tenants.attained("key:a", clock.t) == 300 + 350
+    q.settle(Outcome.end("d4", "b0", 400))  # refused by its backend: it wrote nothing
+    assert q.tenants.attained("key:a", clock.t) == 300 + 100
+    assert q.tenants.writes("key:a") == 1 / 32  # and a refusal teaches no share
+    q.charge("d4", generous)
+    q.settle(Outcome.end("d4", "b0", 502))
+    assert q.tenants.attained("key:a", clock.t) == 400 + 350
     q.charge("d5", generous)
     q.settle(Outcome.end("d5", "b0", 200, completion_tokens=2000))  # half: a moving mean moves
-    assert q.tenants.attained("key:a", clock.t) == 650 + 100 + 4000
+    assert q.tenants.attained("key:a", clock.t) == 750 + 100 + 4000
     assert q.tenants.writes("key:a") == 1 / 32 + 0.2 * (0.5 - 1 / 32)
     q.charge("d6", generous)
     q.settle(Outcome.end("d6", "b0", 200, completion_tokens=10**12))  # more than it asked: what it asked
-    assert q.tenants.attained("key:a", clock.t) == 4750 + 100 + 8000 and q.tenants.writes("key:a") <= 1.0
+    assert q.tenants.attained("key:a", clock.t) == 4850 + 100 + 8000 and q.tenants.writes("key:a") <= 1.0
     q.settle(Outcome.end("d1", "b0", 200, completion_tokens=1))  # a second end corrects nothing
-    assert q.tenants.attained("key:a", clock.t) == 12850 and q.charges() == 0
+    assert q.tenants.attained("key:a", clock.t) == 12950 and q.charges() == 0
     # A long request: its charge decayed while it ran, and so does its correction (as if what it
     # wrote had been charged when it was routed).
     q2, clock2 = queue(order=DispatchOrder.FAIR, fair_output_weight=2.0, fair_window_s=10.0)

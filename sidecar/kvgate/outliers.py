@@ -36,6 +36,12 @@ def failure_reason(status: int, cut: bool) -> str | None:
     return None
 
 
+def refused(status: int) -> bool:
+    """The backend answered with a client error (a prompt too long, a bad parameter): it ran
+    nothing for the request. Nginx's 499 is the client's leaving, not the backend's answer."""
+    return 400 <= status < 500 and status != CLIENT_CLOSED
+
+
 @dataclass(slots=True)
 class OutlierState:
     """One backend's record."""

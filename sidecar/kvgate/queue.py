@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from kvgate.config import DispatchOrder, PolicyName, QueueConfig
 from kvgate.features import Features
 from kvgate.messages import Outcome, OutcomeKind
+from kvgate.outliers import refused
 from kvgate.tenants import TenantLedger, tenant_of
 
 RATE_HALF_LIFE_S = 10.0  # the dispatch-rate estimate behind Retry-After forgets at this pace
@@ -92,8 +93,7 @@ class GatewayQueue:
         self.tenants = TenantLedger(config.fair_window_s)  # service per tenant, for the fair order
         self._waiting: dict[str, Waiting] = {}
         self._per_key: dict[str, int] = {}  # waiting requests of each API key
-        # The service each tenant's waiting requests ask for (``cost``): what it still asks (the reserve)
-        self._asking: dict[str, int] = {}
+        self._asking: dict[str, int] = {}  # the ``cost`` of each tenant's waiting requests (the reserve)
         self._charged: OrderedDict[str, Charge] = OrderedDict()  # fair order: decision id -> its charge
         self._rate = 0.0  # dispatches per second, smoothed
         self._last_dispatch: float | None = None
@@ -258,8 +258,8 @@ class GatewayQueue:
         charged for what its backend's usage says it wrote, not for the ``max_tokens`` it asked (a
         client that asks for far more than it gets would otherwise be held as past its share), and
         the share of it written teaches what its tenant's next requests are charged when routed. One
-        that never ran gives its whole cost back; an end without usage keeps its charge. The one
-        place a charge leaves (besides the bound)."""
+        that never ran gives its whole cost back, one its backend refused (4xx) its output; any other
+        end without usage keeps its charge. The one place a charge leaves (besides the bound)."""
         charge = self._charged.pop(o.decision_id, None) if o.decision_id is not None else None
         if charge is None:
             return
@@ -271,9 +271,11 @@ class GatewayQueue:
             change = round(self.config.fair_output_weight * wrote) - charge.output
             if charge.asked:
                 self.tenants.wrote(charge.tenant, wrote / charge.asked)
+        elif refused(o.status):
+            change = -charge.output  # it wrote nothing (its prompt stays: it took a turn)
         else:
             return
-        now = self.clock()
+        now = self.clock()  # the correction decays as the charge did
         self.tenants.correct(charge.tenant, change * self.tenants.decay(charge.at, now), now)
 
     def charges(self) -> int:

@@ -252,3 +252,12 @@ def test_the_fair_order_charges_a_tenant_what_its_streams_wrote_not_what_they_as
     counted = metric(gw, "kvgate_tenant_attained_tokens")
     # Decayed over the test's seconds (a 60 s half-life), else exact.
     assert 0.9 * (prompts + 4 * written) <= counted <= prompts + 4 * written + 1, (counted, prompts, written)
+    # A request its backend refuses (prompt and answer past the model's context) wrote nothing: its
+    # charge keeps its prompt and gives its output back (charged when routed at ~60,000 x 4 tokens).
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10**6)
+    wait_until(idle(gw), timeout=2)
+    refused = metric(gw, "kvgate_tenant_routed_tokens_total") - prompts
+    assert metric(gw, "kvgate_tenant_service_tokens_total") - charged > 10**5
+    after = metric(gw, "kvgate_tenant_attained_tokens")
+    assert 0.99 * counted < after <= counted + refused + 1, (after, counted, refused)
