@@ -298,7 +298,7 @@ def test_a_charge_is_corrected_at_its_end_by_what_the_request_wrote() -> None:
     q.charge("d3", generous)
     q.settle(Outcome.drop("d3"))
     assert q.tenants.attained("key:a", clock.t) == 300  # as before d3
-    for status in (502, 499, 0):  # no usage: the engine may have written for it
+    for status in (499, 0):  # no usage (the client gone, no answer): the engine may have written
         q.charge("d4", generous)
         q.settle(Outcome.end("d4", "b0", status))
         assert q.tenants.attained("key:a", clock.t) == 300 + 350, status
@@ -308,7 +308,7 @@ def test_a_charge_is_corrected_at_its_end_by_what_the_request_wrote() -> None:
     assert q.tenants.attained("key:a", clock.t) == 300 + 100
     assert q.tenants.writes("key:a") == 1 / 32  # and a refusal teaches no share
     q.charge("d4", generous)
-    q.settle(Outcome.end("d4", "b0", 502))
+    q.settle(Outcome.end("d4", "b0", 502))  # a server error, no usage: its charge stays
     assert q.tenants.attained("key:a", clock.t) == 400 + 350
     q.charge("d5", generous)
     q.settle(Outcome.end("d5", "b0", 200, completion_tokens=2000))  # half: a moving mean moves
