@@ -21,6 +21,10 @@ MODEL = "sim-model"
 
 OK, BY_DESIGN, FAILED = "ok", "failed by design", "failed"
 
+# A client's wait for any one read. A stream that met a hung backend waits for its first-byte budget
+# (between gateway.first_byte_stream_min_ms, 30 s, and the ceiling, 60 s) before the next candidate.
+CLIENT_TIMEOUT_S = 60.0
+
 
 # The stack checks API keys: the load's key, a key under a token limit, and one that floods the queue.
 LOAD_KEY, LIMITED_KEY, FLOOD_KEY = "sk-fault-load-000001", "sk-fault-limited-0002", "sk-fault-flood-00003"
@@ -51,8 +55,8 @@ def one_stream(port: int, n: int, session: str | None = None, key: str = LOAD_KE
         headers["X-Session-ID"] = session
     t0 = time.monotonic()
     # A patient client (the openai SDK waits 600 s): a stream that met a hung backend is moved on
-    # after the stream's floor (gateway.first_byte_stream_min_ms, 30 s), and must then be served.
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    # after its first-byte budget (see CLIENT_TIMEOUT_S), and must then be served.
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=CLIENT_TIMEOUT_S)
     try:
         conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
         resp = conn.getresponse()
@@ -107,9 +111,16 @@ class Load:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        # Every request the load started is scored, and the idle check after it starts only once
+        # they have all ended: a stream still held by a hung backend is in flight, rightly.
         self._stop.set()
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S + 15
         for t in self._threads:
-            t.join(30)
+            t.join(max(0.0, deadline - time.monotonic()))
+        waiting = sum(t.is_alive() for t in self._threads)
+        now = time.monotonic()
+        with self._lock:
+            self.results += [Result(now, now, FAILED, "client still waiting")] * waiting
 
 
 @dataclass
