@@ -12,7 +12,7 @@ per tenant: mean, p50 and p90 TTFT of the requests served, and how many the gate
     kvgate-bench fairness --duration 300 --flood 3
     kvgate-bench fairness --duration 300 --flood 0.5 --flood-output 8   # a flood of long answers
     kvgate-bench fairness --duration 300 --flood 3 --quiet-asks 4096    # a generous max_tokens
-    kvgate-bench fairness --real-vllm 2 --trace-block-tokens 32 --duration 120 --flood 3
+    kvgate-bench fairness --real-vllm 2 --trace-block-tokens 32 --duration 120 --flood 3 --start 0 0 0
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def summary(windows: Mapping[float, Sequence[Mapping[str, Any]]]) -> list[str]:
+def summary(windows: Sequence[tuple[float, Sequence[Mapping[str, Any]]]]) -> list[str]:
     """Across windows, the goal's figure (the quiet tenant's p90 in the fair run against its value
     alone) per window, its median and its worst, with the flood's p90 beside it."""
     label = label_of("fair", None)
@@ -214,7 +214,7 @@ def summary(windows: Mapping[float, Sequence[Mapping[str, Any]]]) -> list[str]:
         "| window from | quiet p90 alone | fair | x alone | flood p90 | flood served / sent | refused |",
         "|---|---|---|---|---|---|---|",
     ]
-    for start, rows in windows.items():
+    for start, rows in windows:
         alone = rows[0][QUIET]["p90"]
         fair = next(r for r in rows if r["order"] == label)
         ratios.append(fair[QUIET]["p90"] / alone)
@@ -259,7 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         nargs="+",
         default=[0.0],
-        help="where the quiet tenant's window starts (s); several: each in turn, then the median and worst",
+        help="where the quiet tenant's window starts (s); several: each in turn, then the median and "
+        "worst (one given again runs again: on a real fleet, how far runs of one window spread)",
     )
     p.add_argument("--gap", type=float, default=1200.0, help="the flood's window starts this much later (s)")
     p.add_argument("--quick", action="store_true", help="only alone and fair (the goal's two runs)")
@@ -274,13 +275,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.model, args.words = None, "filler"
     fit_to_real(args)  # the fleet's model and words with --real-vllm
     out = Path(args.out)
-    windows: dict[float, list[dict[str, Any]]] = {}
     with real_fleet(args, out) as fleet:
-        for start in args.start:
-            windows[start] = window(args, start, fleet, out)
+        windows = [(start, window(args, start, fleet, out)) for start in args.start]
     parts = [
         ("" if len(windows) == 1 else f"## The window from {start:g} s\n\n") + "\n".join(table(rows))
-        for start, rows in windows.items()
+        for start, rows in windows
     ]
     if len(windows) > 1:
         parts.append("## Across the windows\n\n" + "\n".join(summary(windows)))
@@ -289,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     head = report.header(["fairness", *(sys.argv[1:] if argv is None else argv)])
     report.write_json(
         out / "fairness.json",
-        {"header": head, "windows": [{"start": s, "rows": rows} for s, rows in windows.items()]},
+        {"header": head, "windows": [{"start": s, "rows": rows} for s, rows in windows]},
     )
     (out / "report.md").write_text(f"# Two tenants, one flooding\n\n`{head['command']}`\n\n{text}")
     print(f"wrote {out / 'report.md'}")
