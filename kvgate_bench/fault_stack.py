@@ -24,6 +24,7 @@ OK, BY_DESIGN, FAILED = "ok", "failed by design", "failed"
 # A client's wait for any one read. A stream that met a hung backend waits for its first-byte budget
 # (between gateway.first_byte_stream_min_ms, 30 s, and the ceiling, 60 s) before the next candidate.
 CLIENT_TIMEOUT_S = 60.0
+JOIN_MARGIN_S = 15.0  # past a client's timeout, for its thread to score what it got
 
 
 # The stack checks API keys: the load's key, a key under a token limit, and one that floods the queue.
@@ -114,7 +115,7 @@ class Load:
         # Every request the load started is scored, and the idle check after it starts only once
         # they have all ended: a stream still held by a hung backend is in flight, rightly.
         self._stop.set()
-        deadline = time.monotonic() + CLIENT_TIMEOUT_S + 15
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S + JOIN_MARGIN_S
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         waiting = sum(t.is_alive() for t in self._threads)

@@ -100,12 +100,19 @@ def test_in_the_fair_order_a_tenant_is_charged_what_its_requests_wrote() -> None
     map of charges is empty again. The share it wrote is what the tenant's next request counts."""
     # An hour's half-life: what decays while the test runs is bounded by the time it took (a
     # loaded machine may take a second between two lines), not by a guess.
-    sc = core(queue={"enabled": True, "order": "fair", "fair_output_weight": 2, "fair_window_ms": 3_600_000})
+    half_life_s = 3_600
+    queue_cfg = {
+        "enabled": True,
+        "order": "fair",
+        "fair_output_weight": 2,
+        "fair_window_ms": half_life_s * 1000,
+    }
+    sc = core(queue=queue_cfg)
     f = dataclasses.replace(feats(4), client_key="team-a", max_tokens=4_000)
     t0 = time.monotonic()
 
     def kept() -> float:  # the share of a charge left after the test's time so far
-        return float(math.exp2(-(time.monotonic() - t0) / 3_600))
+        return math.exp2(-(time.monotonic() - t0) / half_life_s)
 
     r = asyncio.run(sc.service.route(f, "d4"))
     queue = sc.service.queue
