@@ -3,6 +3,8 @@ token limit gives, giving tokens back, correcting by the reported usage, and the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from kvgate.admission import Admission, RateLimited
 from kvgate.config import Config
@@ -95,3 +97,23 @@ def test_the_key_list_nginx_reads_is_versioned_by_its_content() -> None:
     one, same = admission(auth={"keys": [KEY]}).keys(), admission(auth={"keys": [KEY]}).keys()
     other = admission(auth={"keys": [{**KEY, "sha256": "b" * 64}]}).keys()
     assert one == same and one.version != other.version and one.keys == {"a" * 64: "team-a"}
+
+
+def test_a_request_nginx_routed_on_its_own_counts_against_its_key_when_it_ends() -> None:
+    """No decision counted it (the sidecar was slow or away): its end, with its key and address,
+    counts it by its usage then, over the limit or not, and the next decided request sees that."""
+    a = admission(limits={"per_key": {"tokens_per_minute": 6_000}, "per_client": {"requests_per_minute": 2}})
+    unrouted = Outcome.end(None, "b0", 200, prompt_tokens=4_000, completion_tokens=1_500, client_key="team-a")
+    a.count_unrouted(unrouted)
+    with pytest.raises(RateLimited):
+        a.admit("d1", feats(max_tokens=100))  # 1,100 more: over the 500 left
+    a.admit("d2", feats(key="team-b", max_tokens=100))  # another key's budget is untouched
+    by_addr = Features("m", None, "none", (), 40, client_addr="10.0.0.7", max_tokens=1)
+    a.count_unrouted(dataclasses.replace(unrouted, client_key=None, client_addr="10.0.0.7"))
+    a.admit("d3", by_addr)  # the address's second request this minute
+    with pytest.raises(RateLimited):
+        a.admit("d4", by_addr)
+    a.count_unrouted(
+        Outcome.end("d5", "b0", 200, prompt_tokens=9_000, completion_tokens=0, client_key="team-b")
+    )
+    a.admit("d6", feats(key="team-b", max_tokens=100))  # a decided request's end is settled, not counted

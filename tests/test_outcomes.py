@@ -135,3 +135,29 @@ def test_in_the_fair_order_a_tenant_is_charged_what_its_requests_wrote() -> None
     asyncio.run(sc.service.route(f2, "d5"))
     assert queue.cost(f2) == f2.est_tokens + 2 * 400
     assert sc.registry.ledger._entries["d5"].output == 400
+
+
+def test_a_request_nginx_routed_on_its_own_is_charged_to_its_tenant_when_it_ends() -> None:
+    """A fail-open request had no decision to charge it: its end, carrying its key's name and its
+    usage, charges its tenant then, as a routed one is charged (prompt, plus output at the weight),
+    and counts it by tenant. An end without usage charges no service but is still counted."""
+    sc = core(queue={"enabled": True, "order": "fair", "fair_output_weight": 2, "fair_window_ms": 3_600_000})
+    t0 = time.monotonic()
+    sc.service.outcomes.apply(
+        [
+            Outcome.end(
+                None, "b0", 200, True, 0.1, 0.5, prompt_tokens=300, completion_tokens=40, client_key="team-a"
+            ),
+            Outcome.end(None, "b1", 502, False, None, 0.1, client_key="team-a"),
+            Outcome.end(None, "b1", 200, True, None, 0.5, prompt_tokens=50, completion_tokens=5),
+        ]
+    )
+    sample = sc.metrics.registry.get_sample_value
+    attained = sample("kvgate_tenant_attained_tokens", {"tenant": "team-a"})
+    kept = math.exp2(-(time.monotonic() - t0) / 3_600)
+    assert attained is not None and 380 * kept <= attained <= 380
+    assert sample("kvgate_tenant_service_tokens_total", {"tenant": "team-a"}) == 380
+    assert sample("kvgate_tenant_service_tokens_total", {"tenant": "anonymous"}) == 60
+    assert sample("kvgate_failopen_ends_total", {"tenant": "team-a"}) == 2
+    assert sample("kvgate_failopen_ends_total", {"tenant": "anonymous"}) == 1
+    assert len(sc.registry.ledger) == 0 and sc.service.sizes()["tenant_charges_awaiting_end"] == 0

@@ -62,6 +62,8 @@ def outcome(d: dict[str, Any]) -> Outcome:
         d["completion_tokens"],
         d["response_id"],
         d["cached_tokens"],
+        d["client_key"],
+        d["client_addr"],
     )
 
 

@@ -173,8 +173,9 @@ local function decide(id, f)
 end
 
 -- The body the backend gets: the client's, with the fields the decision adds spliced in (jsontext:
--- not re-encoded), after the prefill leg of a disaggregated request. Returns the route as it turned
--- out and whether the gateway asked for the stream's usage.
+-- not re-encoded), after the prefill leg of a disaggregated request. Fail-open builds its own
+-- decision (no id, no prefill leg). Returns the route as it turned out and whether the gateway asked
+-- for the stream's usage.
 local function backend_body(body, raw, decision, kind)
     local added = {}
     local class = priority.field(body, raw, decision.priority or 0)
@@ -220,18 +221,17 @@ function _M.run()
         return ngx.exit(499)
     end)
     local decision, err, reason, answered = decide(id, f)
-    local stream = body.stream == true
-    if decision then
-        local route, strip_usage = backend_body(body, raw, decision, kind)
-        local read_s = read_timeouts(stream, f.max_tokens, #decision.addrs, decision.first_byte_ms)
-        request.new(id, kind, decision.ids, decision.addrs, route, read_s, strip_usage)
-    else
+    local decided = decision ~= nil
+    if not decided then
         local ids, addrs = failopen.route(id, f.key, err, reason, answered)
-        local class = priority.field(body, raw, priority.fail_open(f, key_name))
-        if class then
-            ngx.req.set_body_data(jsontext.with_fields(raw, { class }))
-        end
-        request.new(nil, kind, ids, addrs, "fail-open", read_timeouts(stream, f.max_tokens, #addrs, nil))
+        decision = { ids = ids, addrs = addrs, route = "fail-open", priority = priority.fail_open(f, key_name) }
+    end
+    local route, strip_usage = backend_body(body, raw, decision, kind)
+    local read_s = read_timeouts(body.stream == true, f.max_tokens, #decision.addrs, decision.first_byte_ms)
+    local req = request.new(decided and id or nil, kind, decision.ids, decision.addrs, route, read_s, strip_usage)
+    if not decided then
+        -- No decision counted it: its end carries its tenant, counted then by its usage.
+        req.client_key, req.client_addr = key_name, f.client_addr
     end
 end
 

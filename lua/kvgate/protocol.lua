@@ -61,10 +61,11 @@ end
 
 -- The request ended. id is nil for a fail-open request; ttft (streams) and duration may be nil; cut is
 -- true when the backend closed the response before its end; pt and ct are the response's usage;
--- rid the id of a /v1/responses response (the backend keeps it: later turns must come back).
-function _M.ended(id, backend, status, sent, ttft, duration, cut, pt, ct, rid, kt)
+-- rid the id of a /v1/responses response (the backend keeps it: later turns must come back); ck and
+-- ca a fail-open request's key name and client address (its tenant, which no decision counted).
+function _M.ended(id, backend, status, sent, ttft, duration, cut, pt, ct, rid, kt, ck, ca)
     return { k = "end", i = id, b = backend, s = status, x = sent, t = ttft, d = duration, c = cut or nil,
-             pt = pt, ct = ct, r = rid, kt = kt }
+             pt = pt, ct = ct, r = rid, kt = kt, ck = ck, ca = ca }
 end
 
 -- An earlier candidate failed before the one that answered.

@@ -58,9 +58,7 @@ class Admission:
         as such; a request's output counts once per completion."""
         if self.limiter is None:
             return
-        identities = ([f"key:{f.client_key}"] if f.client_key else []) + (
-            [f"ip:{f.client_addr}"] if f.client_addr else []
-        )
+        identities = identities_of(f.client_key, f.client_addr)
         if not identities:
             return
         now = time.time()
@@ -106,9 +104,26 @@ class Admission:
         identities, counted, _ = admitted
         self.limiter.correct(identities, o.prompt_tokens + o.completion_tokens - counted, time.time())
 
+    def count_unrouted(self, o: Outcome) -> None:
+        """A request Nginx routed on its own (the sidecar was slow or away) ended: it counts against
+        its key's and its address's limits now, by the usage its backend reported. It was served
+        uncounted; counted late, it holds its client back for the rest of the window as a counted
+        one would have (a client cannot slow the sidecar down to escape its limits)."""
+        if o.decision_id is not None or self.limiter is None:
+            return
+        identities = identities_of(o.client_key, o.client_addr)
+        if identities:
+            used = (o.prompt_tokens or 0) + (o.completion_tokens or 0)
+            self.limiter.count(identities, used, time.time())
+
     def keys(self) -> KeysReply:
         """The hashed API keys Nginx checks (versioned, so Nginx re-reads them only on change)."""
         keys = {k.sha256: k.name for k in self.config.auth.keys}
         classes = {k.name: k.priority for k in self.config.auth.keys if k.priority}
         version = zlib.crc32(json.dumps([keys, classes], sort_keys=True).encode())
         return KeysReply(version, keys, classes)
+
+
+def identities_of(client_key: str | None, client_addr: str | None) -> list[str]:
+    """Who a request counts against: its API key (by name) and its client's address."""
+    return ([f"key:{client_key}"] if client_key else []) + ([f"ip:{client_addr}"] if client_addr else [])

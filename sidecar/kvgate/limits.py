@@ -83,11 +83,16 @@ class RateLimiter:
                 return max(1.0, math.ceil((window + 1) * WINDOW_S - now))
             uses.append(use)
         for use in uses:
-            use.requests += 1
-            use.tokens += tokens
-            use.unsynced_requests += 1
-            use.unsynced_tokens += tokens
+            _count(use, tokens)
         return None
+
+    def count(self, identities: list[str], tokens: int, now: float) -> None:
+        """Count one request of ``tokens`` for every identity, over its limit or not: a request
+        already served (Nginx routed it while the sidecar was away)."""
+        window = int(now // WINDOW_S)
+        for identity in identities:
+            if self.rate(identity).limited:
+                _count(self._current(identity, window), tokens)
 
     def headroom(self, identities: list[str], now: float) -> float | None:
         """Tokens left this window under the tightest token limit of ``identities`` (None: none of
@@ -142,3 +147,10 @@ class RateLimiter:
             use.unsynced_tokens -= tokens
             use.requests = float(results[3 * n]) + use.unsynced_requests
             use.tokens = float(results[3 * n + 1]) + use.unsynced_tokens
+
+
+def _count(use: _Use, tokens: float) -> None:
+    use.requests += 1
+    use.tokens += tokens
+    use.unsynced_requests += 1
+    use.unsynced_tokens += tokens

@@ -48,6 +48,10 @@ class Outcome:
     completion_tokens: int | None = None
     response_id: str | None = None  # /v1/responses: the id its backend now stores
     cached_tokens: int | None = None  # the prompt tokens its backend served from its prefix cache
+    # A fail-open end's tenant (no decision holds it): its API key's name and its client's address,
+    # as a decision's features carry them, so that what it used is counted after the fact.
+    client_key: str | None = None
+    client_addr: str | None = None
 
     @classmethod
     def first(cls, decision_id: str, backend: str, response_id: str | None = None) -> Outcome:
@@ -67,6 +71,8 @@ class Outcome:
         completion_tokens: int | None = None,
         response_id: str | None = None,
         cached_tokens: int | None = None,
+        client_key: str | None = None,
+        client_addr: str | None = None,
     ) -> Outcome:
         return cls(
             OutcomeKind.END,
@@ -81,6 +87,8 @@ class Outcome:
             completion_tokens,
             response_id,
             cached_tokens,
+            client_key,
+            client_addr,
         )
 
     @classmethod

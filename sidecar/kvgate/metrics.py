@@ -185,6 +185,14 @@ class SidecarMetrics:
             ["tenant"],
             registry=r,
         )
+        self.failopen_ends = Counter(
+            "kvgate_failopen_ends",
+            "Requests Nginx routed on its own (the sidecar was slow or away) whose end reached the "
+            "sidecar, per tenant: their usage then counts against the tenant's rate limits and, with "
+            "the gateway queue on, its service (kvgate_tenant_service_tokens).",
+            ["tenant"],
+            registry=r,
+        )
         self.tenant_wait = Histogram(
             "kvgate_tenant_queue_wait_seconds",
             "Time a tenant's requests waited in the gateway queue.",

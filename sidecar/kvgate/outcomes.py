@@ -7,6 +7,12 @@ in-flight ledger and gives its admission back (and its tenant's charge, in the f
 finishes it in flight, corrects its token count and its tenant's charge (``GatewayQueue.settle``), and
 feeds health and the metrics; a ``try`` (a candidate that failed before the one that
 answered) feeds health alone. Every decision ends in exactly one ``end`` or ``drop``.
+
+A request Nginx routed on its own (fail-open: the sidecar was slow or away) had no decision, so
+nothing counted it when it started: its ``end`` carries its tenant, and is counted then, by its
+usage, against the tenant's rate limits and service. Else a client could flood past its limits and
+its fair share whenever it made the sidecar slow, and after; the ends of the requests routed while
+the sidecar was down wait in Nginx's outbox and arrive when it is back.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from kvgate.queue import GatewayQueue
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
 from kvgate.slo import SloGate
+from kvgate.tenants import label_of, tenant_for
 from kvgate.tokens import TokenEstimator
 
 
@@ -93,6 +100,8 @@ class Outcomes:
             self.slo.settle(o)
             if self.queue is not None:
                 self.queue.settle(o)
+        elif o.kind is OutcomeKind.END:
+            self._count_unrouted(o)
         if o.response_id is not None and o.backend and o.status == 200:
             # The backend stores this response: the conversation's next turn must come back.
             self.sessions.remember(session_key("r", o.response_id), o.backend)
@@ -106,6 +115,20 @@ class Outcomes:
             self.metrics.of(self.metrics.ttft, o.backend).observe(o.ttft)
         elif o.duration is not None and o.kind is OutcomeKind.END:
             self.metrics.of(self.metrics.e2e, o.backend).observe(o.duration)
+
+    def _count_unrouted(self, o: Outcome) -> None:
+        """A fail-open request ended: its usage counts against its tenant's limits and service (with
+        the gateway queue on, as ``GatewayQueue.cost`` charges a routed one, from what it used)."""
+        self.admission.count_unrouted(o)
+        tenant = tenant_for(o.client_key, o.client_addr)
+        label = label_of(tenant)
+        self.metrics.of(self.metrics.failopen_ends, label).inc()
+        if self.queue is None or o.prompt_tokens is None:
+            return
+        cost = o.prompt_tokens + round(self.queue.config.fair_output_weight * (o.completion_tokens or 0))
+        self.queue.served(tenant, cost)
+        self.metrics.of(self.metrics.tenant_tokens, label).inc(o.prompt_tokens)
+        self.metrics.of(self.metrics.tenant_service, label).inc(cost)
 
     def _learn_tokens(self, decision_id: str) -> None:
         """The backend has counted this request's prompt: its bytes go beside that count."""

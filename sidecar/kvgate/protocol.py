@@ -43,11 +43,13 @@ response byte and ``try`` a failed attempt on an earlier candidate::
     {"k":"end","i":id,"b":backend,"s":status,"x":bytes sent,"t":ttft s (streams),"d":duration s,"c":cut,
      "pt":prompt tokens,"ct":completion tokens,"kt":cached prompt tokens (from the response's usage,
      when Nginx reads it: rate limits, or the exact index),
-     "r":the id of a /v1/responses response (its backend keeps it)}
+     "r":the id of a /v1/responses response (its backend keeps it),
+     "ck","ca": a fail-open request's API key name and client address, as in decide}
     {"k":"try","b":backend,"s":status}
     {"k":"drop","i":id}
 
-A fail-open request has no decision: its ``end`` carries no ``i``.
+A fail-open request has no decision: its ``end`` carries no ``i``, and carries its tenant instead
+(``ck``, ``ca``), which is charged for the usage it reports (``kvgate.outcomes``).
 
 Over 300 lines: the first 60 are the wire format's reference, and each message kind has its
 decoder and encoder, mirroring ``lua/kvgate/protocol.lua``.
@@ -186,6 +188,8 @@ def decode_outcome(d: Any) -> Outcome:
         None if ct is None else max(0, _int(ct, "ct")),
         _text(d.get("r"), "r"),
         None if kt is None else max(0, _int(kt, "kt")),
+        _text(d.get("ck"), "ck"),
+        _text(d.get("ca"), "ca"),
     )
 
 
@@ -278,6 +282,10 @@ def encode_outcome(o: Outcome) -> dict[str, Any]:
         out["r"] = o.response_id
     if o.cached_tokens is not None:
         out["kt"] = o.cached_tokens
+    if o.client_key is not None:
+        out["ck"] = o.client_key
+    if o.client_addr is not None:
+        out["ca"] = o.client_addr
     return out
 
 

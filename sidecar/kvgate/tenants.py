@@ -61,9 +61,14 @@ MIN_WRITES = 1 / 32
 
 
 def tenant_of(f: Features) -> str:
-    if f.client_key:
-        return f"key:{f.client_key}"
-    return f"addr:{f.client_addr}" if f.client_addr else ANONYMOUS
+    return tenant_for(f.client_key, f.client_addr)
+
+
+def tenant_for(client_key: str | None, client_addr: str | None) -> str:
+    """The tenant of an API key's name, else of a client address (sent when rate limits apply)."""
+    if client_key:
+        return f"key:{client_key}"
+    return f"addr:{client_addr}" if client_addr else ANONYMOUS
 
 
 def label_of(tenant: str) -> str:

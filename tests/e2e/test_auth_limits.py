@@ -15,15 +15,17 @@ from kvgate.config import hash_key
 from kvgate.limits import WINDOW_S
 from kvgate.tools.launcher import Supervisor
 from kvgate.tools.readiness import free_port
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import MODEL, wait_until
+from tests.conftest import MODEL, http_json, wait_until
 from tests.helpers import Gateway, chat, inflight, start_backends
 
 pytestmark = pytest.mark.e2e
 KEY_A, KEY_B = "sk-team-a-0123456789", "sk-team-b-9876543210"
 # Limits are counted by the sidecar's decisions; a request whose decision misses Nginx's budget falls
-# open and is served uncounted (routing must not stop for a slow sidecar). The tests that count give
-# the sidecar a budget a loaded machine cannot miss, so that every request is a counted decision.
+# open and is served at once (routing must not stop for a slow sidecar), counted only at its end. The
+# tests that count give the sidecar a budget a loaded machine cannot miss, so that every request is
+# a decision counted before it runs.
 COUNTED_MS = 3000
 
 
@@ -190,8 +192,9 @@ def stream(url: str, key: str, body: dict[str, Any]) -> tuple[int, int, str]:
     return 200, tokens, text
 
 
-def streaming_gateway(stack: Supervisor) -> Gateway:
-    """A gateway whose keys may use 1,500 tokens a minute, over a backend that decodes 20x fast."""
+def streaming_gateway(stack: Supervisor, **sections: Any) -> Gateway:
+    """A gateway whose keys may use 1,500 tokens a minute, over a backend that decodes 20x fast;
+    ``sections``: more of its config."""
     sim = start_backends(stack, 1, "--max-model-len", "4096", "--time-scale", "20")
     return Gateway(
         stack,
@@ -200,7 +203,7 @@ def streaming_gateway(stack: Supervisor) -> Gateway:
         sim,
         1,
         decision_timeout_ms=COUNTED_MS,
-        extra=keyed(per_key={"tokens_per_minute": 1500}),
+        extra={**keyed(per_key={"tokens_per_minute": 1500}), **sections},
     )
 
 
@@ -248,6 +251,43 @@ def test_n_completions_share_what_the_key_has_left(stack: Supervisor) -> None:
     status, _, text = stream(gw.url, KEY_A, {**body, "max_tokens": 20})
     assert status == 429, (status, text[:300])  # the four completions' tokens were all counted
     wait_until(lambda: inflight(gw) == (0, 0, 0), timeout=5)  # the four it counted in flight came down
+
+
+def sidecar_sample(gw: Gateway, name: str, **labels: str) -> float:
+    """One sample of the gateway's sidecar metrics (0 when absent)."""
+    text = http_json("GET", gw.sidecar.http + "/metrics")[1]
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return float(s.value)
+    return 0.0
+
+
+def test_what_nginx_routes_while_the_sidecar_is_away_counts_against_the_key_once_it_is_back(
+    stack: Supervisor,
+) -> None:
+    """Nginx routes on its own while its sidecar is away, and no decision counts those requests: a
+    key could use far past its limit, and its fair share, whenever the sidecar was down or slow, and
+    go on as if it had not. Now their ends carry the key, wait in Nginx's outbox, and count by their
+    usage once the sidecar is back (streams too: the gateway asks for their usage, and strips it)."""
+    gw = streaming_gateway(stack, queue={"enabled": True, "order": "fair", "fair_output_weight": 1})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "tell a story"}], "ignore_eos": True}
+    inside_one_window(30.0)
+    stack.kill(gw.sidecar.name)
+    status, headers, answer = call(gw.url, KEY_A, {**body, "max_tokens": 400})
+    assert status == 200 and headers["X-Kvgate-Route"] == "fail-open"
+    used = answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+    for _ in range(2):
+        status, tokens, text = stream(gw.url, KEY_A, {**body, "max_tokens": 400})
+        assert status == 200 and tokens == 400 and '"usage"' not in text, text[-300:]
+        used += answer["usage"]["prompt_tokens"] + 400  # the same prompt
+    assert 1200 < used <= 1500  # under the key's 1,500 a minute, but not by another 400
+    gw.sidecar.start()
+    wait_until(lambda: sidecar_sample(gw, "kvgate_failopen_ends_total", tenant="team-a") == 3, timeout=10)
+    assert sidecar_sample(gw, "kvgate_tenant_service_tokens_total", tenant="team-a") == used
+    status, _, refused = call(gw.url, KEY_A, {**body, "max_tokens": 400})
+    assert status == 429 and refused["error"]["code"] == "rate_limit_exceeded", refused
+    assert call(gw.url, KEY_B, {**body, "max_tokens": 400})[0] == 200  # another key's budget is whole
 
 
 def test_replicas_share_a_limit_through_redis(stack: Supervisor) -> None:

@@ -62,7 +62,7 @@ local function run_protocol()
                 items[j] = protocol.ended(nn(o.decision_id), o.backend, o.status, o.sent, nn(o.ttft),
                                           nn(o.duration), o.cut, nn(o.prompt_tokens),
                                           nn(o.completion_tokens), nn(o.response_id),
-                                          nn(o.cached_tokens))
+                                          nn(o.cached_tokens), nn(o.client_key), nn(o.client_addr))
             elseif o.kind == "try" then
                 items[j] = protocol.tried(o.backend, o.status)
             else

@@ -54,6 +54,12 @@ OUTCOMES = [
     (Outcome.tried("sim-0", 502), Outcome.end("1a2b.5f3c.7", "sim-1", 200, True, 0.25, 1.5)),
     (Outcome.end("1a2b.5f3c.9", "sim-2", 504, False, None, 1.0),),
     (Outcome.end(None, "sim-2", 200, True, None, 0.125),),  # fail-open: no decision
+    # fail-open, with its tenant (key name, client address) and the usage it is counted by
+    (
+        Outcome.end(
+            None, "sim-0", 200, True, 0.1, 0.5, False, 30, 6, client_key="team-a", client_addr="10.0.0.7"
+        ),
+    ),
     (Outcome.end("1a2b.5f3c.10", "sim-0", 200, True, 0.5, 0.75, cut=True),),
     (Outcome.end("1a2b.5f3c.11", "sim-0", 200, True, None, 0.5, False, 17, 64),),
     (Outcome.end("1a2b.5f3c.12", "sim-1", 200, True, None, 0.5, response_id="resp_0f1e2d"),),
@@ -132,6 +138,8 @@ def outcome(o: Outcome) -> dict[str, object]:
         "completion_tokens": o.completion_tokens,
         "response_id": o.response_id,
         "cached_tokens": o.cached_tokens,
+        "client_key": o.client_key,
+        "client_addr": o.client_addr,
     }
 
 
