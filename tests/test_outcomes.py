@@ -161,3 +161,25 @@ def test_a_request_nginx_routed_on_its_own_is_charged_to_its_tenant_when_it_ends
     assert sample("kvgate_failopen_ends_total", {"tenant": "team-a"}) == 2
     assert sample("kvgate_failopen_ends_total", {"tenant": "anonymous"}) == 1
     assert len(sc.registry.ledger) == 0 and sc.service.sizes()["tenant_charges_awaiting_end"] == 0
+
+
+def test_a_decision_its_drop_overtook_counts_nothing() -> None:
+    """Nginx gave up waiting and routed on its own; its drop reached the sidecar before the decide
+    did. The late decision is dead: it gives its rate-limit count back and charges no tenant (the
+    request counts at its fail-open end), and nothing of it stays in flight."""
+    sc = core(
+        queue={"enabled": True, "order": "fair"},
+        auth={"keys": [{"name": "team-a", "sha256": "a" * 64}]},
+        limits={"per_key": {"tokens_per_minute": 100_000}},
+    )
+    f = dataclasses.replace(feats(6), client_key="team-a", max_tokens=100)
+    sc.service.outcomes.apply([Outcome.drop("d6")])
+    asyncio.run(sc.service.route(f, "d6"))
+    limiter = sc.service.admission.limiter
+    assert limiter is not None and limiter.headroom(["key:team-a"], time.time()) == 100_000
+    assert sc.metrics.registry.get_sample_value("kvgate_tenant_attained_tokens", {"tenant": "team-a"}) is None
+    sizes = sc.service.sizes()
+    assert sizes["admitted_awaiting_usage"] == 0 and sizes["tenant_charges_awaiting_end"] == 0
+    assert len(sc.registry.ledger) == 0
+    asyncio.run(sc.service.route(f, "d7"))  # one not overtaken counts as before
+    assert limiter.headroom(["key:team-a"], time.time()) == 100_000 - f.est_tokens - 100

@@ -204,6 +204,11 @@ class InflightLedger:
         if entry is not None:
             self._uncount(entry)
 
+    def overtaken(self, decision_id: str) -> bool:
+        """Whether Nginx dropped this decision before it was made (its drop report came first: the
+        sidecar answered too late, and the request fell open); forgets the drop."""
+        return self._dropped.pop(decision_id, None) is not None
+
     def drop(self, decision_id: str, now: float) -> None:
         """Nginx will not use this decision: stop counting it, or never start if it comes later."""
         if decision_id in self._entries:

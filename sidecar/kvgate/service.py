@@ -220,6 +220,9 @@ class DecisionService:
 
         primary = decision.candidates[0]
         ledger, own = self.registry.ledger, work(primary)
+        if ledger.overtaken(did):  # dead: its request fell open, and counts at its end (kvgate.outcomes)
+            self.admission.unadmit(did)
+            return self.planner.routed(did, policy, plan, priority)
         queue, fair = self.queue, self.config.queue.fair_output_tokens
         output = queue.output(f) if queue is not None else f.output_tokens(fair)
         ledger.start(
