@@ -183,3 +183,26 @@ def test_a_decision_its_drop_overtook_counts_nothing() -> None:
     assert len(sc.registry.ledger) == 0
     asyncio.run(sc.service.route(f, "d7"))  # one not overtaken counts as before
     assert limiter.headroom(["key:team-a"], time.time()) == 100_000 - f.est_tokens - 100
+
+
+def test_a_dropped_decision_and_one_with_no_backend_give_their_count_back() -> None:
+    """A decision Nginx did not use (its answer came too late, or its client went away before a
+    backend saw the request) never ran, and one with no backend is routed by Nginx on its own: their
+    requests count at their own ends, if they run, so the decisions give back what they counted."""
+    sc = core(
+        auth={"keys": [{"name": "team-a", "sha256": "a" * 64}]},
+        limits={"per_key": {"tokens_per_minute": 100_000}},
+        scrape={"unhealthy_after": 1},
+    )
+    f = dataclasses.replace(feats(8), client_key="team-a", max_tokens=100)
+    limiter = sc.service.admission.limiter
+    assert limiter is not None
+    asyncio.run(sc.service.route(f, "d8"))
+    assert limiter.headroom(["key:team-a"], time.time()) == 100_000 - f.est_tokens - 100
+    sc.service.outcomes.apply([Outcome.drop("d8")])
+    assert limiter.headroom(["key:team-a"], time.time()) == 100_000 and len(sc.registry.ledger) == 0
+    for b in ("b0", "b1"):
+        sc.registry.failure(b, "connection refused")
+    r = asyncio.run(sc.service.route(f, "d9"))
+    assert r.candidates == () and limiter.headroom(["key:team-a"], time.time()) == 100_000
+    assert sc.service.sizes()["admitted_awaiting_usage"] == 0

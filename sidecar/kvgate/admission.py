@@ -90,10 +90,6 @@ class Admission:
             identities, counted, _ = admitted
             self.limiter.correct(identities, -counted, time.time())
 
-    def forget(self, did: str) -> None:
-        """A decision that ended without a usage to correct by (dropped before it ran)."""
-        self._admitted.pop(did, None)
-
     def settle(self, o: Outcome) -> None:
         """The request ended: correct its token count from the usage the backend reported."""
         if o.decision_id is None or self.limiter is None:

@@ -65,7 +65,7 @@ class Outcomes:
                 assert o.decision_id is not None
                 self._leave_queue(o.decision_id)
                 self.registry.ledger.drop(o.decision_id, self.registry.ledger.clock())
-                self.admission.forget(o.decision_id)
+                self.admission.unadmit(o.decision_id)
                 self.slo.settle(o)
                 if self.queue is not None:
                     self.queue.settle(o)

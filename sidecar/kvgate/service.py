@@ -133,8 +133,9 @@ class DecisionService:
             f = await self.tokenizer.with_tokens(f, body)
         priority = self.admission.priority_of(f)
         plan = await self.planner.plan(f, policy, seq, dry_run)
-        if not plan.decision.candidates:
+        if not plan.decision.candidates:  # Nginx routes it on its own: it counts at its end
             self.metrics.no_backend.inc()
+            self.admission.unadmit(did)
             return Routed(did, policy, plan.decision, (), plan.pool, priority)
         if dry_run:
             return self.planner.routed(did, policy, plan, priority)

@@ -5,9 +5,12 @@ Retry-After as OpenAI-style JSON, limits shared by replicas."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -288,6 +291,38 @@ def test_what_nginx_routes_while_the_sidecar_is_away_counts_against_the_key_once
     status, _, refused = call(gw.url, KEY_A, {**body, "max_tokens": 400})
     assert status == 429 and refused["error"]["code"] == "rate_limit_exceeded", refused
     assert call(gw.url, KEY_B, {**body, "max_tokens": 400})[0] == 200  # another key's budget is whole
+
+
+def test_a_paused_sidecar_counts_each_request_nginx_routed_meanwhile_once(stack: Supervisor) -> None:
+    """A sidecar stopped for a while (starved of CPU, paused) answers every decision too late: Nginx
+    routes each request on its own and reports the decision dropped, and that drop may reach the
+    sidecar before or after the decide it drops. Either way each request counts once, at its end:
+    the late decisions give back what they counted, and nothing waits for an end that will not come."""
+    gw = streaming_gateway(stack, queue={"enabled": True, "order": "fair", "fair_output_weight": 1})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "tell a story"}], "ignore_eos": True}
+    inside_one_window(40.0)
+    pid = stack.procs[gw.sidecar.name].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(4) as pool:  # each waits out the decision budget, then falls open
+            answers = list(pool.map(lambda _: call(gw.url, KEY_A, {**body, "max_tokens": 300}), range(4)))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert [(s, h["X-Kvgate-Route"]) for s, h, _ in answers] == [(200, "fail-open")] * 4
+    prompt = answers[0][2]["usage"]["prompt_tokens"]
+    used = 4 * (prompt + 300)
+    wait_until(lambda: sidecar_sample(gw, "kvgate_failopen_ends_total", tenant="team-a") == 4, timeout=10)
+    left = 1500 - used
+    status, _, refused = call(gw.url, KEY_A, {**body, "max_tokens": left + 50})
+    assert status == 429 and refused["error"]["code"] == "rate_limit_exceeded", refused  # counted
+    status, _, answer = call(gw.url, KEY_A, {**body, "max_tokens": left - prompt - 20})
+    assert status == 200, answer  # counted once: the late decisions gave their count back
+
+    def awaiting() -> tuple[int, int]:  # the decided one's end arrives within an outbox flush
+        structures = gw.sidecar.admin("GET", "/debug/memory")[1]["structures"]
+        return structures["admitted_awaiting_usage"], structures["tenant_charges_awaiting_end"]
+
+    wait_until(lambda: awaiting() == (0, 0) and inflight(gw) == (0, 0, 0), timeout=5)
 
 
 def test_replicas_share_a_limit_through_redis(stack: Supervisor) -> None:
