@@ -6,7 +6,7 @@ from kvgate.messages import Outcome, OutcomeKind
 
 
 def test_an_end_sets_every_field_by_its_name() -> None:
-    o = Outcome.end("d", "b0", 200, False, 0.1, 0.5, True, 30, 4, "resp-1", 16, "team-a", "10.0.0.7")
+    o = Outcome.end("d", "b0", 200, False, 0.1, 0.5, True, 30, 4, "resp-1", 16, "team-a", "10.0.0.7", "acme")
     assert dataclasses.asdict(o) == {
         "kind": OutcomeKind.END,
         "decision_id": "d",
@@ -22,6 +22,7 @@ def test_an_end_sets_every_field_by_its_name() -> None:
         "cached_tokens": 16,
         "client_key": "team-a",
         "client_addr": "10.0.0.7",
+        "tenant": "acme",
     }
 
 

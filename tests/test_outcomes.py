@@ -150,6 +150,19 @@ def test_a_request_nginx_routed_on_its_own_is_charged_to_its_tenant_when_it_ends
             ),
             Outcome.end(None, "b1", 502, False, None, 0.1, client_key="team-a"),
             Outcome.end(None, "b1", 200, True, None, 0.5, prompt_tokens=50, completion_tokens=5),
+            # A tenant header names the tenant over the key (queue.tenant_header).
+            Outcome.end(
+                None,
+                "b0",
+                200,
+                True,
+                None,
+                0.5,
+                prompt_tokens=20,
+                completion_tokens=1,
+                client_key="team-a",
+                tenant="acme",
+            ),
         ]
     )
     sample = sc.metrics.registry.get_sample_value
@@ -160,6 +173,8 @@ def test_a_request_nginx_routed_on_its_own_is_charged_to_its_tenant_when_it_ends
     assert sample("kvgate_tenant_service_tokens_total", {"tenant": "anonymous"}) == 60
     assert sample("kvgate_failopen_ends_total", {"tenant": "team-a"}) == 2
     assert sample("kvgate_failopen_ends_total", {"tenant": "anonymous"}) == 1
+    assert sample("kvgate_failopen_ends_total", {"tenant": "acme"}) == 1
+    assert sample("kvgate_tenant_service_tokens_total", {"tenant": "acme"}) == 22
     assert len(sc.registry.ledger) == 0 and sc.service.sizes()["tenant_charges_awaiting_end"] == 0
 
 

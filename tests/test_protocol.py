@@ -44,6 +44,7 @@ def features(d: dict[str, Any]) -> Features:
         d["max_tokens"],
         d["priority"],
         d["completions"],
+        tenant=d["tenant"],
     )
 
 
@@ -64,6 +65,7 @@ def outcome(d: dict[str, Any]) -> Outcome:
         d["cached_tokens"],
         d["client_key"],
         d["client_addr"],
+        d["tenant"],
     )
 
 

@@ -5,25 +5,36 @@ from __future__ import annotations
 from kvgate.features import Features
 from kvgate.tenants import (
     ANONYMOUS,
+    MAX_NAMED,
+    OTHER,
     SWEEP_EVERY,
     DepthCollector,
     ServiceCollector,
+    TenantLabels,
     TenantLedger,
-    label_of,
     tenant_of,
 )
 
 
-def f(key: str | None = None, addr: str | None = None) -> Features:
-    return Features("m", None, "none", (), 400, client_key=key, client_addr=addr)
+def f(key: str | None = None, addr: str | None = None, header: str | None = None) -> Features:
+    return Features("m", None, "none", (), 400, client_key=key, client_addr=addr, tenant=header)
 
 
-def test_a_tenant_is_its_api_key_else_its_address_and_labels_stay_bounded() -> None:
+def test_a_tenant_is_its_header_else_its_api_key_else_its_address_and_labels_stay_bounded() -> None:
+    assert tenant_of(f("team-a", "10.0.0.1", "acme")) == "tenant:acme"
     assert tenant_of(f("team-a", "10.0.0.1")) == "key:team-a"
     assert tenant_of(f(None, "10.0.0.1")) == "addr:10.0.0.1"
     assert tenant_of(f()) == ANONYMOUS
-    assert label_of("key:team-a") == "team-a"
-    assert label_of("addr:10.0.0.1") == label_of(ANONYMOUS) == ANONYMOUS  # addresses are unbounded
+    label = TenantLabels()
+    assert label("key:team-a") == "team-a"
+    assert label("addr:10.0.0.1") == label(ANONYMOUS) == ANONYMOUS  # addresses are unbounded
+    # Header values are client text where an edge passes them on: the first MAX_NAMED are named,
+    # and they stay named; the rest share one label.
+    assert [label(f"tenant:t{i}") for i in range(MAX_NAMED + 2)] == [f"t{i}" for i in range(MAX_NAMED)] + [
+        OTHER,
+        OTHER,
+    ]
+    assert label("tenant:t0") == "t0" and label("key:team-b") == "team-b"
 
 
 def test_service_decays_by_half_each_window_and_old_tenants_are_forgotten() -> None:
@@ -41,10 +52,10 @@ def test_service_decays_by_half_each_window_and_old_tenants_are_forgotten() -> N
 
 def test_the_depth_collector_counts_what_waits_now() -> None:
     waiting = [f("a"), f("a"), f("b"), f(None, "10.0.0.9")]
-    (family,) = DepthCollector(lambda: waiting).collect()
+    (family,) = DepthCollector(lambda: waiting, TenantLabels()).collect()
     assert {s.labels["tenant"]: s.value for s in family.samples} == {"a": 2, "b": 1, ANONYMOUS: 1}
     waiting.clear()
-    (family,) = DepthCollector(lambda: waiting).collect()
+    (family,) = DepthCollector(lambda: waiting, TenantLabels()).collect()
     assert family.samples == []
 
 
@@ -86,8 +97,8 @@ def test_the_service_collector_reads_what_the_fair_order_counts_now() -> None:
     ledger.add("addr:10.0.0.1", 100, 0.0)
     ledger.add("addr:10.0.0.2", 300, 0.0)
     now[0] = 10.0
-    (family,) = ServiceCollector(ledger, lambda: now[0]).collect()
+    (family,) = ServiceCollector(ledger, lambda: now[0], TenantLabels()).collect()
     assert {s.labels["tenant"]: s.value for s in family.samples} == {"a": 400.0, ANONYMOUS: 200.0}
     ledger.correct("key:a", -400, 10.0)
-    (family,) = ServiceCollector(ledger, lambda: now[0]).collect()
+    (family,) = ServiceCollector(ledger, lambda: now[0], TenantLabels()).collect()
     assert {s.labels["tenant"]: s.value for s in family.samples}["a"] == 0.0

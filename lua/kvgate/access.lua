@@ -120,10 +120,15 @@ local function read_request(kind, key_name)
     if not body then
         return errors.send(400, err)
     end
-    local session = ngx.req.get_headers()[conf.session_header]
+    local headers = ngx.req.get_headers()
+    local session = headers[conf.session_header]
     local message, param = checks.invalid(body, session)
     if message then
         return errors.send(400, message, nil, param)
+    end
+    local tenant, bad = checks.tenant(headers)
+    if bad then
+        return errors.send(400, bad)
     end
     local f = features.extract(body, session)
     if kind == "response_id" then
@@ -132,7 +137,7 @@ local function read_request(kind, key_name)
             f.key, f.key_source = features.session_key("r", rid), "response"
         end
     end
-    f.client_key = key_name
+    f.client_key, f.tenant = key_name, tenant
     f.client_addr = conf.limits and ngx_var.remote_addr or nil
     f.max_tokens = checks.max_tokens(body)
     f.completions = checks.completions(body)
@@ -231,7 +236,7 @@ function _M.run()
     local req = request.new(decided and id or nil, kind, decision.ids, decision.addrs, route, read_s, strip_usage)
     if not decided then
         -- No decision counted it: its end carries its tenant, counted then by its usage.
-        req.client_key, req.client_addr = key_name, f.client_addr
+        req.who = { ck = key_name, ca = f.client_addr, tn = f.tenant }
     end
 end
 

@@ -19,6 +19,7 @@ local str_find   = string.find
 
 local MAX_DEPTH     = 64
 local MAX_TEXT      = 512    -- bytes of the session header or `user`
+local MAX_TENANT    = 64     -- bytes of the tenant header (a metric label, a key of the fair order)
 local CONTROL       = "[%z\1-\8\10-\31\127]"  -- what a header value may not hold (a tab it may)
 local MAX_MODEL     = 256    -- bytes of `model`
 local MAX_TOKENS    = 2147483647
@@ -80,6 +81,22 @@ end
 
 local function whole(value, min, max)
     return type(value) == "number" and value == math_floor(value) and value >= min and value <= max
+end
+
+-- The tenant the tenant header names (conf.tenant_header), or nil; or nil and the message a request
+-- gets when it is anything but one short name (an edge sets it: a malformed one is refused, not
+-- guessed at).
+function _M.tenant(headers)
+    local name = conf.tenant_header
+    local value = name ~= "" and headers[name] or nil
+    if value == nil then
+        return nil
+    end
+    if type(value) ~= "string" or #value > MAX_TENANT or not str_find(value, "^[%w%._:%-]+$") then
+        return nil, "The " .. name .. " header must be one name of 1 to " .. MAX_TENANT
+                    .. " letters, digits, '.', '_', ':' or '-'."
+    end
+    return value
 end
 
 -- The fields the gateway reads; returns an error message and its param, or nil. Text that crosses to

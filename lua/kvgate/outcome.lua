@@ -57,7 +57,7 @@ function _M.log()
     local ttft = req.stream and req.first or nil
     local pt, ct, kt = usage(req.tail)
     outbox.push(protocol.ended(req.id, backend, status, sent, ttft, duration, req.cut, pt, ct, req.rid, kt,
-                               req.client_key, req.client_addr))
+                               req.who))
     -- For the kvgate log_format (the access log module runs after this phase handler).
     ngx_var.kvgate_backend = backend
     ngx_var.kvgate_route = req.route

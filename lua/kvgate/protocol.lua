@@ -31,7 +31,7 @@ function _M.decide(id, f)
     return { pv = VERSION, op = "decide", i = id,
              f = { m = f.model, k = f.key, ks = f.key_source, h = hashes, b = f.prompt_bytes,
                    ck = f.client_key, ca = f.client_addr, mt = f.max_tokens, n = f.completions,
-                   pr = f.priority, tb = f.body } }
+                   pr = f.priority, tn = f.tenant, tb = f.body } }
 end
 
 function _M.report(outcomes)
@@ -61,11 +61,16 @@ end
 
 -- The request ended. id is nil for a fail-open request; ttft (streams) and duration may be nil; cut is
 -- true when the backend closed the response before its end; pt and ct are the response's usage;
--- rid the id of a /v1/responses response (the backend keeps it: later turns must come back); ck and
--- ca a fail-open request's key name and client address (its tenant, which no decision counted).
-function _M.ended(id, backend, status, sent, ttft, duration, cut, pt, ct, rid, kt, ck, ca)
-    return { k = "end", i = id, b = backend, s = status, x = sent, t = ttft, d = duration, c = cut or nil,
-             pt = pt, ct = ct, r = rid, kt = kt, ck = ck, ca = ca }
+-- rid the id of a /v1/responses response (the backend keeps it: later turns must come back); who,
+-- a fail-open request's tenant, which no decision counted: { ck = key name, ca = client address,
+-- tn = the tenant header's value }, or nil.
+function _M.ended(id, backend, status, sent, ttft, duration, cut, pt, ct, rid, kt, who)
+    local out = { k = "end", i = id, b = backend, s = status, x = sent, t = ttft, d = duration,
+                  c = cut or nil, pt = pt, ct = ct, r = rid, kt = kt }
+    if who then
+        out.ck, out.ca, out.tn = who.ck, who.ca, who.tn
+    end
+    return out
 end
 
 -- An earlier candidate failed before the one that answered.

@@ -21,8 +21,7 @@ local FIELDS = {
     route       = "how they were chosen (the decision's route, or fail-open)",
     read_s      = "per candidate: how long a try may wait for the next byte, in seconds",
     strip_usage = "the gateway asked for the stream's usage event: the client does not get it",
-    client_key  = "fail-open: the API key's name, which the end reports (no decision counted it)",
-    client_addr = "fail-open: the client's address when rate limits apply, likewise",
+    who         = "fail-open: its tenant for its end to report (no decision counted it), protocol.ended",
     -- the balancer
     tries       = "tries so far (Nginx calls the balancer once per try)",
     picks       = "per try: the index of the candidate it went to",

@@ -52,6 +52,7 @@ def gateway_settings(config: Config) -> dict[str, Any]:
         "queue_heartbeat_ms": round(config.queue.heartbeat_s * 1000),
         # Nginx routing on its own forwards the priority the sidecar would have (priority_of).
         "client_priority": config.queue.client_priority,
+        "tenant_header": config.queue.tenant_header or "",
         "forward_priority": config.queue.forward_priority,
         "edge_access": g.edge_access or "",
         "tokenize_bytes": body_bytes,

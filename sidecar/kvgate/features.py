@@ -60,6 +60,8 @@ class Features:
     # The prompt's token ids as the model's tokenizer gives them (with its chat template), when the
     # sidecar has them: the exact index (``kvgate.exact_index``) is keyed by them.
     token_ids: tuple[int, ...] | None = None
+    # The tenant the request's tenant header names (queue.tenant_header), over its key (kvgate.tenants).
+    tenant: str | None = None
 
     @property
     def est_tokens(self) -> int:

@@ -52,6 +52,7 @@ class Outcome:
     # as a decision's features carry them, so that what it used is counted after the fact.
     client_key: str | None = None
     client_addr: str | None = None
+    tenant: str | None = None  # and its tenant header's value (queue.tenant_header)
 
     @classmethod
     def first(cls, decision_id: str, backend: str, response_id: str | None = None) -> Outcome:
@@ -73,6 +74,7 @@ class Outcome:
         cached_tokens: int | None = None,
         client_key: str | None = None,
         client_addr: str | None = None,
+        tenant: str | None = None,
     ) -> Outcome:
         return cls(
             OutcomeKind.END,
@@ -89,6 +91,7 @@ class Outcome:
             cached_tokens,
             client_key,
             client_addr,
+            tenant,
         )
 
     @classmethod

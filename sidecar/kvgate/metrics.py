@@ -7,6 +7,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvgate.looplag import CpuWaitCollector
+from kvgate.tenants import TenantLabels
 
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -20,6 +21,7 @@ LATENCY_BUCKETS = (
 class SidecarMetrics:
     def __init__(self) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.tenant_label = TenantLabels()  # the tenant label of every per-tenant metric
         r = self.registry = CollectorRegistry()
         self.decisions = Counter("kvgate_decisions", "Routing decisions.", ["policy", "reason"], registry=r)
         self.decision_latency = Histogram(
@@ -169,7 +171,7 @@ class SidecarMetrics:
             ["backend"],
             registry=r,
         )
-        # Per tenant (kvgate.tenants: an API key's name, else "anonymous"), with the gateway queue on.
+        # Per tenant (kvgate.tenants.TenantLabels: its header, its key's name, else "anonymous").
         self.tenant_tokens = Counter(
             "kvgate_tenant_routed_tokens",
             "Estimated prompt tokens routed, per tenant.",
@@ -187,9 +189,8 @@ class SidecarMetrics:
         )
         self.failopen_ends = Counter(
             "kvgate_failopen_ends",
-            "Requests Nginx routed on its own (the sidecar was slow or away) whose end reached the "
-            "sidecar, per tenant: their usage then counts against the tenant's rate limits and, with "
-            "the gateway queue on, its service (kvgate_tenant_service_tokens).",
+            "Requests Nginx routed on its own (the sidecar slow or away) whose end came, per tenant: "
+            "their usage then counts against its rate limits and service (with the queue on).",
             ["tenant"],
             registry=r,
         )

@@ -55,6 +55,7 @@ class NginxSettings:
     workers: int = 2
     decision_timeout_ms: int = _taken("decision_timeout_ms")
     session_header: str = _taken("session_header")
+    tenant_header: str = _taken("tenant_header")  # "": off
     route_headers: bool = _taken("route_headers")
     max_tries: int = _taken("max_tries")
     retry_statuses: tuple[int, ...] = _taken("retry_statuses", lua=False)

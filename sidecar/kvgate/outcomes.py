@@ -29,7 +29,7 @@ from kvgate.queue import GatewayQueue
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
 from kvgate.slo import SloGate
-from kvgate.tenants import label_of, tenant_for
+from kvgate.tenants import tenant_for
 from kvgate.tokens import TokenEstimator
 
 
@@ -120,8 +120,8 @@ class Outcomes:
         """A fail-open request ended: its usage counts against its tenant's limits and service (with
         the gateway queue on, as ``GatewayQueue.cost`` charges a routed one, from what it used)."""
         self.admission.count_unrouted(o)
-        tenant = tenant_for(o.client_key, o.client_addr)
-        label = label_of(tenant)
+        tenant = tenant_for(o.client_key, o.client_addr, o.tenant)
+        label = self.metrics.tenant_label(tenant)
         self.metrics.of(self.metrics.failopen_ends, label).inc()
         if self.queue is None or o.prompt_tokens is None:
             return

@@ -11,7 +11,8 @@ never waits)::
     {"pv":4,"op":"decide","i":id,"f":{"m":model,"k":key,"ks":key source,"h":[chunk hash,...],"b":bytes,
                                       "ck":API key name,"ca":client address,"mt":max tokens,
                                       "n":completions asked for, n x prompts (absent: 1),
-                                      "pr":priority the client asked for}}
+                                      "pr":priority the client asked for,
+                                      "tn":the tenant its tenant header names}}
     {"pv":4,"op":"report","o":[outcome,...]}
     {"pv":4,"op":"peers","fp":the fingerprint of the settings Nginx was rendered with (agreement.py)}
     {"pv":4,"op":"models"}
@@ -44,12 +45,12 @@ response byte and ``try`` a failed attempt on an earlier candidate::
      "pt":prompt tokens,"ct":completion tokens,"kt":cached prompt tokens (from the response's usage,
      when Nginx reads it: rate limits, or the exact index),
      "r":the id of a /v1/responses response (its backend keeps it),
-     "ck","ca": a fail-open request's API key name and client address, as in decide}
+     "ck","ca","tn": a fail-open request's API key name, client address and tenant, as in decide}
     {"k":"try","b":backend,"s":status}
     {"k":"drop","i":id}
 
 A fail-open request has no decision: its ``end`` carries no ``i``, and carries its tenant instead
-(``ck``, ``ca``), which is charged for the usage it reports (``kvgate.outcomes``).
+(``ck``, ``ca``, ``tn``), which is charged for the usage it reports (``kvgate.outcomes``).
 
 Over 300 lines: the first 60 are the wire format's reference, and each message kind has its
 decoder and encoder, mirroring ``lua/kvgate/protocol.lua``.
@@ -153,6 +154,7 @@ def decode_features(d: Any) -> Features:
         prompt_bytes=max(0, _int(d.get("b") or 0, "b")),
         client_key=_text(d.get("ck"), "ck"),
         client_addr=_text(d.get("ca"), "ca"),
+        tenant=_text(d.get("tn"), "tn"),
         max_tokens=None if mt is None else max(0, _int(mt, "mt")),
         completions=1 if n is None else max(1, _int(n, "n")),
         priority=None if pr is None else max(-(2**31), min(2**31 - 1, _int(pr, "pr"))),
@@ -190,6 +192,7 @@ def decode_outcome(d: Any) -> Outcome:
         None if kt is None else max(0, _int(kt, "kt")),
         _text(d.get("ck"), "ck"),
         _text(d.get("ca"), "ca"),
+        _text(d.get("tn"), "tn"),
     )
 
 
@@ -244,6 +247,8 @@ def encode_features(f: Features) -> dict[str, Any]:
         out["ck"] = f.client_key
     if f.client_addr is not None:
         out["ca"] = f.client_addr
+    if f.tenant is not None:
+        out["tn"] = f.tenant
     if f.max_tokens is not None:
         out["mt"] = f.max_tokens
     if f.completions != 1:
@@ -286,6 +291,8 @@ def encode_outcome(o: Outcome) -> dict[str, Any]:
         out["ck"] = o.client_key
     if o.client_addr is not None:
         out["ca"] = o.client_addr
+    if o.tenant is not None:
+        out["tn"] = o.tenant
     return out
 
 

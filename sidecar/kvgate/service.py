@@ -42,7 +42,7 @@ from kvgate.queue import GatewayQueue, QueueFull, QueueTimeout, Waiting
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
 from kvgate.slo import Judgement, SloGate, SloShed, Verdict
-from kvgate.tenants import DepthCollector, ServiceCollector, label_of, tenant_of
+from kvgate.tenants import DepthCollector, ServiceCollector, tenant_of
 from kvgate.tokenize import TokenSource
 from kvgate.tokens import TokenEstimator
 
@@ -93,8 +93,10 @@ class DecisionService:
         registry.on_restart.append(self.first_byte.restart)
         self.queue = GatewayQueue(config.queue) if config.queue.enabled else None
         if self.queue is not None:
-            metrics.registry.register(DepthCollector(self.queue.waiting_features))
-            metrics.registry.register(ServiceCollector(self.queue.tenants, self.queue.clock))
+            metrics.registry.register(DepthCollector(self.queue.waiting_features, metrics.tenant_label))
+            metrics.registry.register(
+                ServiceCollector(self.queue.tenants, self.queue.clock, metrics.tenant_label)
+            )
         self.admission = Admission(config, metrics, limiter)
         self.slo = SloGate(config.slo, metrics)
         self.planner = Planner(config, registry, sessions, index, metrics, self.first_byte, exact)
@@ -149,7 +151,7 @@ class DecisionService:
         if not (wait or gather):
             return await self._commit(did, policy, f, plan, priority, t0)
         if past and wait:
-            self.metrics.of(self.metrics.tenant_past_share, label_of(tenant_of(f))).inc()
+            self.metrics.of(self.metrics.tenant_past_share, self.metrics.tenant_label(tenant_of(f))).inc()
         live = asyncio.get_running_loop().create_future() if self._wake is not None else None
         now = queue.clock()
         key = self.planner.least_prefill(plan) if queue.by_prefill else f.est_tokens
@@ -248,8 +250,8 @@ class DecisionService:
             self.slo.promise(did, objective)
         if self.queue is not None:  # every routed request is service its tenant had (fair order)
             tenant, cost = self.queue.charge(did, f)
-            self.metrics.of(self.metrics.tenant_tokens, label_of(tenant)).inc(f.est_tokens)
-            self.metrics.of(self.metrics.tenant_service, label_of(tenant)).inc(cost)
+            self.metrics.of(self.metrics.tenant_tokens, self.metrics.tenant_label(tenant)).inc(f.est_tokens)
+            self.metrics.of(self.metrics.tenant_service, self.metrics.tenant_label(tenant)).inc(cost)
         self.recent.append((routed, f))
         return routed
 
@@ -317,7 +319,7 @@ class DecisionService:
                 routed = Routed(w.decision_id, w.policy, plan.decision, (), plan.pool, w.priority)
             waited = queue.dispatched(w)
             self.metrics.queue_wait.observe(waited)
-            self.metrics.of(self.metrics.tenant_wait, label_of(tenant_of(f))).observe(waited)
+            self.metrics.of(self.metrics.tenant_wait, self.metrics.tenant_label(tenant_of(f))).observe(waited)
             out.append((w, routed))
         self.metrics.queue_depth.set(len(queue))
         for w, result in out:

@@ -1,6 +1,8 @@
 """Tenants and the service each has had lately, for the gateway queue's fair order.
 
-A tenant is an API key (its name, when the gateway checks keys), else the client's address. Each
+A tenant is what the request's tenant header names (``queue.tenant_header``: an edge in front that
+authenticates clients sets it), else its API key (its name, when the gateway checks keys), else the
+client's address. Each
 routed request adds its cost to its tenant's *attained service*, which decays with a half-life of
 ``queue.fair_window`` so that what a tenant got a minute ago counts less than what it got now. The
 cost is its estimated prompt tokens plus the output it may write at ``queue.fair_output_weight``
@@ -49,6 +51,8 @@ from prometheus_client.registry import Collector
 from kvgate.features import Features
 
 ANONYMOUS = "anonymous"  # the metric label of tenants that are addresses, not keys
+OTHER = "other"  # the metric label of header tenants past the first MAX_NAMED
+MAX_NAMED = 64  # header tenants named in metrics: a header is text a client may have written
 FORGET_BELOW = 1.0  # tokens of decayed service under which a tenant is dropped
 SWEEP_EVERY = 1024  # counts between two sweeps of forgotten tenants
 SHARE_EVERY_S = 0.1  # the total service and the active tenants are summed again this often
@@ -61,19 +65,39 @@ MIN_WRITES = 1 / 32
 
 
 def tenant_of(f: Features) -> str:
-    return tenant_for(f.client_key, f.client_addr)
+    return tenant_for(f.client_key, f.client_addr, f.tenant)
 
 
-def tenant_for(client_key: str | None, client_addr: str | None) -> str:
-    """The tenant of an API key's name, else of a client address (sent when rate limits apply)."""
+def tenant_for(client_key: str | None, client_addr: str | None, header: str | None = None) -> str:
+    """The tenant a tenant header names, else an API key's name, else a client address (sent when
+    rate limits apply)."""
+    if header:
+        return f"tenant:{header}"
     if client_key:
         return f"key:{client_key}"
     return f"addr:{client_addr}" if client_addr else ANONYMOUS
 
 
-def label_of(tenant: str) -> str:
-    """A bounded metric label: the API key's name (configured, so bounded), else ``anonymous``."""
-    return tenant[4:] if tenant.startswith("key:") else ANONYMOUS
+class TenantLabels:
+    """Bounded metric labels of tenants: an API key's name (configured, so bounded); a tenant
+    header's value for the first ``MAX_NAMED`` values seen, ``other`` past them (Nginx checks the
+    value's form, but an edge that passes a client's header on would let it write any number of
+    them, and each label is a series kept for good); ``anonymous`` for addresses."""
+
+    def __init__(self) -> None:
+        self._named: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        kind, _, name = tenant.partition(":")
+        if kind == "key":
+            return name
+        if kind != "tenant":
+            return ANONYMOUS
+        if name not in self._named:
+            if len(self._named) >= MAX_NAMED:
+                return OTHER
+            self._named.add(name)
+        return name
 
 
 @dataclass(slots=True)
@@ -172,8 +196,9 @@ class DepthCollector(Collector):
     """``kvgate_tenant_queue_depth{tenant}``, counted from the queue when Prometheus asks: nothing to
     bring down by hand, a tenant with nothing waiting is simply absent."""
 
-    def __init__(self, waiting: Callable[[], Iterable[Features]]) -> None:
+    def __init__(self, waiting: Callable[[], Iterable[Features]], label: Callable[[str], str]) -> None:
         self._waiting = waiting
+        self._label = label
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
@@ -181,7 +206,7 @@ class DepthCollector(Collector):
             "Requests waiting in the gateway queue, per tenant.",
             labels=["tenant"],
         )
-        for label, n in sorted(Counter(label_of(tenant_of(f)) for f in self._waiting()).items()):
+        for label, n in sorted(Counter(self._label(tenant_of(f)) for f in self._waiting()).items()):
             family.add_metric([label], n)
         yield family
 
@@ -192,9 +217,10 @@ class ServiceCollector(Collector):
     Beside ``kvgate_tenant_service_tokens`` (what each request was charged when routed), it says
     why a tenant is judged past its share."""
 
-    def __init__(self, ledger: TenantLedger, clock: Callable[[], float]) -> None:
+    def __init__(self, ledger: TenantLedger, clock: Callable[[], float], label: Callable[[str], str]) -> None:
         self._ledger = ledger
         self._clock = clock
+        self._label = label
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
@@ -206,7 +232,7 @@ class ServiceCollector(Collector):
         )
         now, sums = self._clock(), dict[str, float]()
         for tenant in self._ledger.tenants():
-            label = label_of(tenant)
+            label = self._label(tenant)
             sums[label] = sums.get(label, 0.0) + self._ledger.attained(tenant, now)
         for label, tokens in sorted(sums.items()):
             family.add_metric([label], round(tokens, 1))

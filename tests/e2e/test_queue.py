@@ -261,3 +261,44 @@ def test_the_fair_order_charges_a_tenant_what_its_streams_wrote_not_what_they_as
     assert metric(gw, "kvgate_tenant_service_tokens_total") - charged > 10**5
     after = metric(gw, "kvgate_tenant_attained_tokens")
     assert 0.99 * counted < after <= counted + refused + 1, (after, counted, refused)
+
+
+def test_a_tenant_header_an_edge_sets_names_the_tenant_even_for_what_nginx_routes_alone(
+    stack: Supervisor,
+) -> None:
+    """Behind an edge that authenticates clients and names their tenant in a header
+    (``queue.tenant_header``), the fair order counts that tenant: decided requests when routed, and
+    one Nginx routed on its own while the sidecar was away at its end, once the sidecar is back. A
+    value that is not one short name is refused with a JSON 400, never counted as a tenant."""
+    gw = gateway(stack, order="fair", tenant_header="X-Tenant-ID")
+
+    def served(tenant: str, name: str = "kvgate_tenant_service_tokens_total") -> float:
+        text = http_json("GET", gw.sidecar.http + "/metrics")[1]
+        found = re.search(rf'^{name}{{tenant="{re.escape(tenant)}"}} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    def client(tenant: str) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=gw.url + "/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=30,
+            default_headers={"X-Tenant-ID": tenant},
+        )
+
+    messages: Any = [{"role": "user", "content": "hello"}]
+    for tenant in ("acme.eu:prod-1", "globex"):
+        client(tenant).chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+    assert served("acme.eu:prod-1") > 0 and served("globex") > 0 and served("anonymous") == 0
+    for bad in ("acme corp", "a" * 65, "acme/corp"):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client(bad).chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+        assert "X-Tenant-ID header" in refused.value.message
+    stack.kill(gw.sidecar.name)
+    answer = client("globex").chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=4
+    )
+    assert answer.headers["X-Kvgate-Route"] == "fail-open"
+    gw.sidecar.start()
+    wait_until(lambda: served("globex", "kvgate_failopen_ends_total") == 1, timeout=10)
+    assert served("anonymous", "kvgate_failopen_ends_total") == 0

@@ -51,6 +51,7 @@ local function run_protocol()
                                                    max_tokens = nn(f.max_tokens),
                                                    priority = nn(f.priority),
                                                    completions = f.completions ~= 1 and f.completions or nil,
+                                                   tenant = nn(f.tenant),
                                                    body = nn(case.body) })
     end
     for i, case in ipairs(g.report) do
@@ -62,7 +63,9 @@ local function run_protocol()
                 items[j] = protocol.ended(nn(o.decision_id), o.backend, o.status, o.sent, nn(o.ttft),
                                           nn(o.duration), o.cut, nn(o.prompt_tokens),
                                           nn(o.completion_tokens), nn(o.response_id),
-                                          nn(o.cached_tokens), nn(o.client_key), nn(o.client_addr))
+                                          nn(o.cached_tokens),
+                                          { ck = nn(o.client_key), ca = nn(o.client_addr),
+                                            tn = nn(o.tenant) })
             elseif o.kind == "try" then
                 items[j] = protocol.tried(o.backend, o.status)
             else

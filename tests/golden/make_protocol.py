@@ -44,6 +44,7 @@ FEATURES = [
     Features("m", "h:s", "header", (), 12, client_key="team-a", client_addr="10.0.0.7", max_tokens=64),
     Features("m", "h:s", "header", (), 12, client_key="team-a", max_tokens=64, completions=4),
     Features("m", "p:0011223344556677", "prefix", (), 99, priority=-5),
+    Features("m", None, "none", (), 8, client_key="team-a", tenant="acme.eu:prod-1"),
 ]
 # With the exact index on, a decision carries the request's body (to be tokenized).
 BODY = '{"model":"m","messages":[{"role":"user","content":"héllo \\"there\\""}]}'
@@ -54,10 +55,21 @@ OUTCOMES = [
     (Outcome.tried("sim-0", 502), Outcome.end("1a2b.5f3c.7", "sim-1", 200, True, 0.25, 1.5)),
     (Outcome.end("1a2b.5f3c.9", "sim-2", 504, False, None, 1.0),),
     (Outcome.end(None, "sim-2", 200, True, None, 0.125),),  # fail-open: no decision
-    # fail-open, with its tenant (key name, client address) and the usage it is counted by
+    # fail-open, with its tenant (key name, client address, header) and the usage it is counted by
     (
         Outcome.end(
-            None, "sim-0", 200, True, 0.1, 0.5, False, 30, 6, client_key="team-a", client_addr="10.0.0.7"
+            None,
+            "sim-0",
+            200,
+            True,
+            0.1,
+            0.5,
+            False,
+            30,
+            6,
+            client_key="team-a",
+            client_addr="10.0.0.7",
+            tenant="acme",
         ),
     ),
     (Outcome.end("1a2b.5f3c.10", "sim-0", 200, True, 0.5, 0.75, cut=True),),
@@ -121,6 +133,7 @@ def features(f: Features) -> dict[str, object]:
         "max_tokens": f.max_tokens,
         "priority": f.priority,
         "completions": f.completions,
+        "tenant": f.tenant,
     }
 
 
@@ -140,6 +153,7 @@ def outcome(o: Outcome) -> dict[str, object]:
         "cached_tokens": o.cached_tokens,
         "client_key": o.client_key,
         "client_addr": o.client_addr,
+        "tenant": o.tenant,
     }
 
 
