@@ -9,9 +9,10 @@ import threading
 import time
 
 import pytest
+from kvgate.config import hash_key
 
 from tests.conftest import wait_until
-from tests.real.conftest import MODEL, Gateway, RealFleet, Tokens, get_text, post
+from tests.real.conftest import MODEL, Gateway, RealFleet, Tokens, get_text, ids, post
 
 pytestmark = pytest.mark.real
 
@@ -172,3 +173,42 @@ def test_requests_vllm_refuses_come_back_as_vllms_own_errors(
     for field in ("type", "code", "param", "message"):
         assert through[2]["error"][field] == direct[2]["error"][field], (field, through, direct)
     assert "Traceback" not in get_text(kvgate.sidecar + "/metrics")
+
+
+def test_what_nginx_routes_while_the_sidecar_is_away_is_charged_by_the_usage_vllm_reports(
+    fleet: RealFleet, tokens: Tokens
+) -> None:
+    """With its sidecar away, Nginx routes on its own; it still asks vLLM for a stream's usage (and
+    strips it: the client did not ask), and each end carries its tenant. Once the sidecar is back,
+    the tenant is charged what vLLM counted, prompt and output, for the JSON answer and the stream."""
+    key = "sk-real-tenant-0123456789"
+    gw = Gateway(
+        fleet.sup,
+        "away",
+        ids(fleet),
+        auth={"keys": [{"name": "team", "sha256": hash_key(key)}]},
+        limits={"per_key": {"tokens_per_minute": 1_000_000}},
+        queue={"enabled": True, "order": "fair", "fair_output_weight": 4, "tenant_header": "X-Tenant-ID"},
+    )
+    try:
+        headers = {"Authorization": f"Bearer {key}", "X-Tenant-ID": "acme"}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": tokens.text(60, 90)}],
+            "max_tokens": 24,
+            "ignore_eos": True,
+        }
+        fleet.sup.kill(gw.replica.sidecar_name)
+        status, got, answer = gw.chat(body, headers)
+        assert status == 200 and got["X-Kvgate-Route"] == "fail-open", answer
+        prompt = answer["usage"]["prompt_tokens"]
+        status, got, text = post(gw.url + "/v1/chat/completions", {**body, "stream": True}, headers)
+        assert status == 200 and got["X-Kvgate-Route"] == "fail-open"
+        assert '"usage"' not in text and text.rstrip().endswith("data: [DONE]"), text[-300:]
+        gw.replica.start_sidecar()
+        wait_until(lambda: gw.sidecar_metric("kvgate_failopen_ends_total") == 2, timeout=10)
+        charged = gw.sidecar_metric('kvgate_tenant_service_tokens_total{tenant="acme"}')
+        print(f"prompt {prompt} tokens; charged {charged} for the two")
+        assert charged == 2 * (prompt + 4 * 24)
+    finally:
+        gw.stop()
