@@ -30,9 +30,13 @@ def waiting(
     priority: int = 0,
     key: str | None = None,
     max_tokens: int = 0,
+    tenant: str | None = None,
+    addr: str | None = None,
 ) -> Waiting:
     """A request of 100 prompt tokens; with ``max_tokens`` 0 its cost to its tenant is just those."""
-    f = Features("m", None, "none", (), 400, client_key=key, max_tokens=max_tokens)
+    f = Features(
+        "m", None, "none", (), 400, client_key=key, client_addr=addr, max_tokens=max_tokens, tenant=tenant
+    )
     w = Waiting(did, f, PolicyName.KVGATE, priority, q.clock(), tokens)
     q.add(w)
     return w
@@ -141,7 +145,7 @@ def test_one_api_key_holds_at_most_its_share_and_the_others_still_get_in() -> No
     flood = [waiting(q, f"f{i}", key="flood") for i in range(5)]
     with pytest.raises(QueueFull) as refused:
         waiting(q, "f5", key="flood")
-    assert refused.value.key == "flood"
+    assert refused.value.key == "key:flood"
     other = [waiting(q, f"o{i}", key="other") for i in range(3)]
     anonymous = waiting(q, "anon")  # no key (auth off): only the whole queue bounds it
     assert len(q) == 9 and q.keys_waiting() == 2
@@ -154,6 +158,22 @@ def test_one_api_key_holds_at_most_its_share_and_the_others_still_get_in() -> No
         "f6"
     }
     assert len(q) == 0 and q.keys_waiting() == 0
+
+
+def test_a_tenant_header_s_tenant_holds_at_most_its_share_and_addresses_are_not_held_apart() -> None:
+    """Behind an edge that names tenants (queue.tenant_header) and checks no keys here, one tenant
+    that floods is held to its share as a key is (else it fills the queue and everyone else gets
+    429), whatever key it uses; requests known by their address alone share the whole queue."""
+    q, _ = queue(max_size=10, max_key_share=0.3)
+    for i in range(3):
+        waiting(q, f"a{i}", tenant="acme", key=f"k{i}")
+    with pytest.raises(QueueFull) as refused:
+        waiting(q, "a3", tenant="acme")
+    assert refused.value.key == "tenant:acme"
+    waiting(q, "g0", tenant="globex")
+    for i in range(6):
+        waiting(q, f"ip{i}", addr="10.0.0.7")
+    assert len(q) == 10 and q.keys_waiting() == 2
 
 
 def test_fair_order_serves_a_quiet_tenant_ahead_of_one_that_floods() -> None:

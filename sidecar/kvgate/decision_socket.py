@@ -94,7 +94,7 @@ class DecisionServer:
                 full = (
                     "the gateway queue is full"
                     if exc.key is None
-                    else "this API key already holds its share of the gateway queue"
+                    else "this API key (or tenant) already holds its share of the gateway queue"
                 )
                 return ErrorReply(
                     ErrorCode.QUEUE_FULL, f"Every backend is busy and {full}; retry later.", exc.retry_after

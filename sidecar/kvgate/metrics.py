@@ -215,8 +215,8 @@ class SidecarMetrics:
         )
         self.queue_rejected = Counter(
             "kvgate_queue_rejected",
-            "Requests that left the gateway queue without a backend: full, key_share (the API key held its "
-            "share), timeout, abandoned.",
+            "Requests that left the gateway queue without a backend: full, key_share (a key or tenant "
+            "held its share), timeout, abandoned.",
             ["reason"],
             registry=r,
         )

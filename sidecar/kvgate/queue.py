@@ -11,9 +11,9 @@ served; least prefill first with ageing (a request that waited ``ageing_s``, or 
 times the wait first come first served would have given it, goes ahead of every younger one, in
 arrival order); or fair between tenants (``kvgate.tenants``: the smallest virtual
 finish tag first, first come first served within a tenant). Bounds: ``max_size`` waiting requests
-(past it a new one is refused), ``max_key_share`` of them for one API key (so that one key cannot
-fill the queue and refuse everyone else), and ``max_wait_s`` (past it a waiting one is refused);
-every refusal says when to retry.
+(past it a new one is refused), ``max_key_share`` of them for one tenant with a name, an API key or
+a tenant header's (so that one cannot fill the queue and refuse everyone else), and ``max_wait_s``
+(past it a waiting one is refused); every refusal says when to retry.
 
 Several replicas each run their own queue over the same backends. That they do not all pour into
 the slot one freed is the dispatch rule's business: each replica may keep only its share of a
@@ -33,7 +33,7 @@ from kvgate.config import DispatchOrder, PolicyName, QueueConfig
 from kvgate.features import Features
 from kvgate.messages import Outcome, OutcomeKind
 from kvgate.outliers import refused
-from kvgate.tenants import TenantLedger, tenant_of
+from kvgate.tenants import TenantLedger, named_tenant, tenant_of
 
 RATE_HALF_LIFE_S = 10.0  # the dispatch-rate estimate behind Retry-After forgets at this pace
 # Shortest-first: a request ordered by the prefill its prefix's holder would do, but placeable now only
@@ -49,7 +49,7 @@ class QueueFull(Exception):
             "the gateway queue is full" if key is None else f"{key}'s share of the queue is full"
         )
         self.retry_after = retry_after
-        self.key = key  # the API key whose share is full, or None: the whole queue is
+        self.key = key  # the named tenant whose share is full, or None: the whole queue is
 
 
 class QueueTimeout(Exception):
@@ -92,7 +92,7 @@ class GatewayQueue:
         self.clock = clock
         self.tenants = TenantLedger(config.fair_window_s)  # service per tenant, for the fair order
         self._waiting: dict[str, Waiting] = {}
-        self._per_key: dict[str, int] = {}  # waiting requests of each API key
+        self._per_key: dict[str, int] = {}  # waiting requests of each named tenant (named_tenant)
         self._asking: dict[str, int] = {}  # the ``cost`` of each tenant's waiting requests (the reserve)
         self._charged: OrderedDict[str, Charge] = OrderedDict()  # fair order: decision id -> its charge
         self._rate = 0.0  # dispatches per second, smoothed
@@ -105,13 +105,13 @@ class GatewayQueue:
         return decision_id in self._waiting
 
     def key_limit(self) -> int:
-        """Waiting requests one API key may hold."""
+        """Waiting requests one named tenant (an API key, a tenant header's value) may hold."""
         return max(1, math.floor(self.config.max_size * self.config.max_key_share))
 
     def add(self, w: Waiting) -> None:
         if len(self._waiting) >= self.config.max_size:
             raise QueueFull(self.retry_after())
-        key = w.features.client_key
+        key = named_tenant(w.features)
         if key is not None and self._per_key.get(key, 0) >= self.key_limit():
             raise QueueFull(self.retry_after(), key)
         if self._rate > 0:
@@ -128,7 +128,7 @@ class GatewayQueue:
         w = self._waiting.pop(decision_id, None)
         if w is None:
             return None
-        _less(self._per_key, w.features.client_key, 1)
+        _less(self._per_key, named_tenant(w.features), 1)
         _less(self._asking, tenant_of(w.features), w.cost)
         return w
 
@@ -139,7 +139,7 @@ class GatewayQueue:
         return [w.features for w in self._waiting.values()]
 
     def keys_waiting(self) -> int:
-        """API keys with requests waiting (bounded: it empties with the queue)."""
+        """Named tenants with requests waiting (bounded: it empties with the queue)."""
         return len(self._per_key)
 
     def dispatched(self, w: Waiting) -> float:

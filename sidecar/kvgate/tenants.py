@@ -78,6 +78,13 @@ def tenant_for(client_key: str | None, client_addr: str | None, header: str | No
     return f"addr:{client_addr}" if client_addr else ANONYMOUS
 
 
+def named_tenant(f: Features) -> str | None:
+    """``f``'s tenant when it has a name (its tenant header's, its API key's), else None: requests
+    known by their address alone (all of them, when limits are off) are not held apart."""
+    tenant = tenant_of(f)
+    return tenant if tenant.startswith(("key:", "tenant:")) else None
+
+
 class TenantLabels:
     """Bounded metric labels of tenants: an API key's name (configured, so bounded); a tenant
     header's value for the first ``MAX_NAMED`` values seen, ``other`` past them (Nginx checks the

@@ -37,7 +37,10 @@ class QueueConfig:
     enabled: bool = flag(False, "requests wait here while their backends are saturated")
     max_size: int = whole(1000, 1, 1_000_000, "waiting requests per replica; past it a request gets 429")
     max_key_share: float = number(
-        0.5, 0.001, 1.0, "of max_size, the most one API key may hold waiting (then its 429s)"
+        0.5,
+        0.001,
+        1.0,
+        "of max_size, the most one API key (or tenant_header's tenant) may hold waiting (then its 429s)",
     )
     max_wait_s: float = millis(60_000, 10, 3_600_000, "a request that waited this long gets 429")
     order: DispatchOrder = choice(
