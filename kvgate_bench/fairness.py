@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvgate.public import PolicyName
 
 from kvgate_bench import fairness_live, report, virtual
+from kvgate_bench.fairness_report import FLOOD, QUIET, label_of, row, summary, table
 from kvgate_bench.targets import add_real_args, fit_to_real, real_fleet
 from kvgate_bench.workloads import (
     DEFAULT_TRACE,
@@ -40,8 +40,6 @@ from kvgate_bench.workloads import (
     within,
 )
 from vllm_sim.profiles import get_profile
-
-QUIET, FLOOD = "quiet", "flood"
 
 
 def two_tenants(
@@ -87,28 +85,6 @@ def queue_section(order: str, reserve: int | None) -> dict[str, Any]:
     if reserve is not None:
         queue["fair_reserve"] = reserve
     return queue
-
-
-def row(
-    label: str, tenants: Sequence[str], served: Mapping[int, float], rejected: int, failed: int = 0
-) -> dict[str, Any]:
-    """A run's line: per tenant, how many were sent and served and the served ones' TTFTs;
-    ``served``: each served request's TTFT by its index in ``tenants``."""
-    out: dict[str, Any] = {"order": label, "rejected": rejected, "failed": failed}
-    for tenant in sorted(set(tenants)):
-        ttfts = sorted(t for i, t in served.items() if tenants[i] == tenant)
-        out[tenant] = {
-            "sent": sum(1 for t in tenants if t == tenant),
-            "served": len(ttfts),
-            "mean": statistics.fmean(ttfts) if ttfts else float("nan"),
-            "p50": report.pct(ttfts, 0.5),
-            "p90": report.pct(ttfts, 0.9),
-        }
-    return out
-
-
-def label_of(order: str, reserve: int | None) -> str:
-    return order if reserve is None else f"{order}, reserve {reserve}"
 
 
 def run(
@@ -175,59 +151,6 @@ def window(args: argparse.Namespace, start: float, fleet: Any, out: Path) -> lis
         else:
             rows.append({**run(these, whose, order, args.backends, args.profile, reserve), "order": label})
     return rows
-
-
-def table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    """One window's runs, the quiet tenant's p90 against its value alone."""
-    alone = rows[0][QUIET]
-    lines = [
-        "| run | quiet: served / sent | mean | p50 | p90 TTFT (x alone) | flood: served / sent | p90 "
-        "| refused | failed |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for line in rows:
-        q = line[QUIET]
-        f = line.get(FLOOD)
-        flood = f"{f['served']} / {f['sent']} | {f['p90']:.3f} s" if f else "| "
-        lines.append(
-            f"| {line['order']} | {q['served']} / {q['sent']} | {q['mean']:.3f} s | {q['p50']:.3f} s | "
-            f"{q['p90']:.3f} s ({q['p90'] / alone['p90']:.2f}x) | {flood} | {line['rejected']} | "
-            f"{line['failed']} |"
-        )
-    for line in rows:
-        if (g := line.get("gateway")) is not None:  # live runs: why the quiet tenant's time went
-            lines.append(
-                f"\n{line['order']}: the quiet tenant waited {g['quiet_wait_s']:.1f} s at the gateway in all "
-                f"({g['quiet_held']:.0f} requests held, {g['quiet_past_share']:.0f} as past its share); "
-                f"{g['fell_open']:.0f} requests fell open to Nginx's ring; the sidecar's loop ran over "
-                f"50 ms late {g['loop_late']:.0f} times and waited {g['cpu_wait_s']:.1f} s for a core"
-            )
-    return lines
-
-
-def summary(windows: Sequence[tuple[float, Sequence[Mapping[str, Any]]]]) -> list[str]:
-    """Across windows, the goal's figure (the quiet tenant's p90 in the fair run against its value
-    alone) per window, its median and its worst, with the flood's p90 beside it."""
-    label = label_of("fair", None)
-    ratios: list[float] = []
-    lines = [
-        "| window from | quiet p90 alone | fair | x alone | flood p90 | flood served / sent | refused |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for start, rows in windows:
-        alone = rows[0][QUIET]["p90"]
-        fair = next(r for r in rows if r["order"] == label)
-        ratios.append(fair[QUIET]["p90"] / alone)
-        f = fair[FLOOD]
-        lines.append(
-            f"| {start:g} s | {alone:.3f} s | {fair[QUIET]['p90']:.3f} s | {ratios[-1]:.2f}x "
-            f"| {f['p90']:.3f} s | {f['served']} / {f['sent']} | {fair['rejected']} |"
-        )
-    lines.append(
-        f"\nquiet p90 x alone over {len(ratios)} windows: median {statistics.median(ratios):.2f}x, "
-        f"worst {max(ratios):.2f}x"
-    )
-    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -69,6 +69,12 @@ def test_several_windows_report_the_goal_figure_per_window_its_median_and_worst(
     assert "## The window from 600 s" in text
     median, worst = statistics.median(ratios), max(ratios)
     assert f"over 3 windows: median {median:.2f}x, worst {worst:.2f}x" in text
+    # Pooled: every alone run's TTFTs against every fair run's, each p90 of the three runs' requests.
+    alone_all = [t for w in data["windows"] for t in w["rows"][0][QUIET]["ttfts"]]
+    fair_all = [t for w in data["windows"] for t in w["rows"][1][QUIET]["ttfts"]]
+    assert len(alone_all) == len(fair_all) == sum(w["rows"][0][QUIET]["served"] for w in data["windows"])
+    pooled = report.pct(fair_all, 0.9) / report.pct(alone_all, 0.9)
+    assert f"pooled {pooled:.2f}x ({report.pct(alone_all, 0.9):.3f} s alone" in text
     assert f"| 600 s | {data['windows'][1]['rows'][0][QUIET]['p90']:.3f} s |" in text
 
 
