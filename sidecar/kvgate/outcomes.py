@@ -29,7 +29,7 @@ from kvgate.queue import GatewayQueue
 from kvgate.registry import Registry
 from kvgate.sessions import SessionStore
 from kvgate.slo import SloGate
-from kvgate.tenants import tenant_for
+from kvgate.tenants import service, tenant_for
 from kvgate.tokens import TokenEstimator
 
 
@@ -125,7 +125,7 @@ class Outcomes:
         self.metrics.of(self.metrics.failopen_ends, label).inc()
         if self.queue is None or o.prompt_tokens is None:
             return
-        cost = o.prompt_tokens + round(self.queue.config.fair_output_weight * (o.completion_tokens or 0))
+        cost = service(o.prompt_tokens, o.completion_tokens or 0, self.queue.config.fair_output_weight)
         self.queue.served(tenant, cost)
         self.metrics.of(self.metrics.tenant_tokens, label).inc(o.prompt_tokens)
         self.metrics.of(self.metrics.tenant_service, label).inc(cost)

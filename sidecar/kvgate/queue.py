@@ -33,7 +33,7 @@ from kvgate.config import DispatchOrder, PolicyName, QueueConfig
 from kvgate.features import Features
 from kvgate.messages import Outcome, OutcomeKind
 from kvgate.outliers import refused
-from kvgate.tenants import TenantLedger, named_tenant, tenant_of
+from kvgate.tenants import TenantLedger, named, service, tenant_of
 
 RATE_HALF_LIFE_S = 10.0  # the dispatch-rate estimate behind Retry-After forgets at this pace
 # Shortest-first: a request ordered by the prefill its prefix's holder would do, but placeable now only
@@ -92,7 +92,7 @@ class GatewayQueue:
         self.clock = clock
         self.tenants = TenantLedger(config.fair_window_s)  # service per tenant, for the fair order
         self._waiting: dict[str, Waiting] = {}
-        self._per_key: dict[str, int] = {}  # waiting requests of each named tenant (named_tenant)
+        self._per_key: dict[str, int] = {}  # waiting requests of each named tenant (tenants.named)
         self._asking: dict[str, int] = {}  # the ``cost`` of each tenant's waiting requests (the reserve)
         self._charged: OrderedDict[str, Charge] = OrderedDict()  # fair order: decision id -> its charge
         self._rate = 0.0  # dispatches per second, smoothed
@@ -111,7 +111,8 @@ class GatewayQueue:
     def add(self, w: Waiting) -> None:
         if len(self._waiting) >= self.config.max_size:
             raise QueueFull(self.retry_after())
-        key = named_tenant(w.features)
+        tenant = tenant_of(w.features)
+        key = named(tenant)
         if key is not None and self._per_key.get(key, 0) >= self.key_limit():
             raise QueueFull(self.retry_after(), key)
         if self._rate > 0:
@@ -119,7 +120,6 @@ class GatewayQueue:
         self._waiting[w.decision_id] = w
         if key is not None:
             self._per_key[key] = self._per_key.get(key, 0) + 1
-        tenant = tenant_of(w.features)
         w.cost = self.cost(w.features)
         self._asking[tenant] = self._asking.get(tenant, 0) + w.cost
 
@@ -128,8 +128,8 @@ class GatewayQueue:
         w = self._waiting.pop(decision_id, None)
         if w is None:
             return None
-        _less(self._per_key, named_tenant(w.features), 1)
-        _less(self._asking, tenant_of(w.features), w.cost)
+        _less(self._asking, tenant := tenant_of(w.features), w.cost)
+        _less(self._per_key, named(tenant), 1)
         return w
 
     def remove(self, decision_id: str) -> Waiting | None:
@@ -225,7 +225,7 @@ class GatewayQueue:
     def cost(self, f: Features) -> int:
         """The service a request takes, in prompt tokens: its own, and its expected ``output`` at
         ``fair_output_weight`` each (``kvgate.tenants``)."""
-        return f.est_tokens + round(self.config.fair_output_weight * self.output(f))
+        return service(f.est_tokens, self.output(f), self.config.fair_output_weight)
 
     def output(self, f: Features) -> int:
         """The output tokens ``f`` is expected to write: of its ``max_tokens``, the share its

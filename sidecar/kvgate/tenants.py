@@ -78,11 +78,16 @@ def tenant_for(client_key: str | None, client_addr: str | None, header: str | No
     return f"addr:{client_addr}" if client_addr else ANONYMOUS
 
 
-def named_tenant(f: Features) -> str | None:
-    """``f``'s tenant when it has a name (its tenant header's, its API key's), else None: requests
-    known by their address alone (all of them, when limits are off) are not held apart."""
-    tenant = tenant_of(f)
+def named(tenant: str) -> str | None:
+    """``tenant`` when it has a name (a tenant header's, an API key's), else None: requests known
+    by their address alone (all of them, when limits are off) are not held apart."""
     return tenant if tenant.startswith(("key:", "tenant:")) else None
+
+
+def service(prompt: int, output: int, output_weight: float) -> int:
+    """The service a request takes, in prompt tokens: its prompt, and its output at
+    ``output_weight`` each (``queue.fair_output_weight``, a virtual token counter's weighing)."""
+    return prompt + round(output_weight * output)
 
 
 class TenantLabels:
