@@ -127,6 +127,20 @@ def test_a_saturated_session_with_nowhere_better_to_go_stays_without_a_rebind() 
         assert (d.session is SessionAction.REBIND) == (d.candidates[0] != bound)
 
 
+def test_a_new_key_with_every_node_saturated_goes_where_least_prefill_waits() -> None:
+    # Past saturation no node admits: the ring's owner for each key would pile the overflow on the
+    # nodes the ring favours (p99 1.16x round robin's at 3x the trace); least work ahead spreads it.
+    full = {n: load(6, waiting=9) for n in ("a", "b", "c", "d")}
+    queued = {"a": 90_000, "b": 12_000, "c": 5_000, "d": 70_000}
+    s = replace(snap(full), inflight_tokens=queued)
+    picks = {decide(PolicyName.KVGATE, Request(feat(f"key-{i}"), i), s, 3).candidates[0] for i in range(20)}
+    assert picks == {"c"}
+    # A node holding most of the prompt is credited with it: its work ahead is the queue alone.
+    f = replace(feat("k", tuple(f"h{i}" for i in range(80))), prompt_bytes=80 * 512)  # 10,240 tokens
+    held = Request(f, 1, prefix_depth={"b": 80})
+    assert decide(PolicyName.KVGATE, held, s, 3).candidates[0] == "b"
+
+
 def test_a_responses_conversation_stays_on_its_backend_even_saturated() -> None:
     """vLLM stores a response on the backend that made it: the next turn must go there."""
     saturated = snap({"a": load(6, waiting=50), "b": load(0), "c": load(0)})

@@ -15,6 +15,7 @@ fallbacks) and a short reason code that Nginx puts in ``X-Kvgate-Route``.
    weighted fair share (bounded loads, so hot keys spill over instead of piling up), and among the
    first ``CHOICES`` under-bound nodes and the prefix holders pick the one whose first token should
    come soonest: least prefill work queued there plus the part of this prompt it does not hold.
+   Past saturation, when no node is under its bound, that choice is made among all of them.
 
 The snapshot they read (room, saturation, the bounded-load share) is ``kvgate.snapshot``.
 """
@@ -248,7 +249,9 @@ def kvgate(req: Request, snap: Snapshot, limit: int) -> Decision:
     candidates = [n for n in walk if admits(n)][:CHOICES]
     candidates += [n for n in _best_prefix(req, snap, _holder_admits(req, snap)) if n not in candidates]
     if not candidates:
-        candidates = walk[:1]
+        # Every node is over its bound or saturated: the key's owner would pile the fleet's overflow
+        # on whichever node the ring favours; the least prefill work ahead spreads it.
+        candidates = walk
     rank = {n: i for i, n in enumerate(walk)}
     primary = min(candidates, key=lambda n: (_prefill_cost(req, snap, n), rank.get(n, len(rank))))
     depth = req.prefix_depth.get(primary, 0)

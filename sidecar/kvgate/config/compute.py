@@ -218,10 +218,11 @@ class PoolsConfig:
         (), _rules, "a list of {pool, model, max_prompt_tokens}; the first that matches picks the pool"
     )
     spill: Mapping[str, tuple[str, ...]] = custom({}, _spill, "pool: [pools to try next]")
-    # 2 measured best without the gateway queue on the trace: p99 at or below round robin's at 1x to
-    # 2x (plain pools: up to 2.7x round robin's at 3x); with the queue it changes little.
+    # 1.25 measured best without the gateway queue on the trace: p99 below round robin's at 1x to 3x
+    # in two windows (2: 1.09x and 1.16x at 3x, the one long-prompt backend falling behind; plain
+    # pools 2.8x); with the queue it changes little.
     backlog_ratio: float = number(
-        2.0,
+        1.25,
         0.0,
         1000.0,
         "also spill while the pool has room, when the prefill a request would wait for there (the least "
