@@ -76,6 +76,9 @@ def test_pools_pick_by_estimated_length_and_a_full_pool_spills_in_order() -> Non
     assert sc.metrics.pool_spills.labels("long", "short")._value.get() == 1
     explained = asyncio.run(sc.service.explain(feats(400, "z")))
     assert explained.pool == "short"
+    # A plan that is not carried out (an explanation; a waiting request's round) counts no spill.
+    assert asyncio.run(sc.service.explain(feats(40_000, "w"))).pool == "short"
+    assert sc.metrics.pool_spills.labels("long", "short")._value.get() == 1
 
 
 @pytest.mark.parametrize(

@@ -237,7 +237,7 @@ class SidecarMetrics:
         )
         self.pool_spills = Counter(
             "kvgate_pool_spills",
-            "Requests decided in another pool than their rule's, because it had no room.",
+            "Requests routed to another pool than their rule's: no room there, or far more prefill waiting.",
             ["pool", "to"],
             registry=r,
         )

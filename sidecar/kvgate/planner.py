@@ -82,6 +82,7 @@ class Plan:
     decode: tuple[str, ...] = ()
     confirmed: bool = True  # the session binding the decision assumed needs no Redis round trip
     matched: Match | None = None  # the prefix index's match, which ``record`` continues from
+    spilled_from: str | None = None  # the pool its rule picked, when it goes to another
 
 
 class Planner:
@@ -119,14 +120,18 @@ class Planner:
                 legs = decide(PolicyName.LEAST_LOAD, Request(f, seq), decode, limit).candidates
                 return dataclasses.replace(plan, decode=legs)
             self.metrics.pd_colocated.inc()
-        pool = None
+        pool = rule_pool = None
         snap = self.registry.snapshot(f.model)
         pools = self.config.pools
         if pools.enabled:
             rule = pools.pick(f.model, f.est_tokens)
             if rule is not None:
+                rule_pool = rule.pool
                 pool, snap = self._pool_snapshot(f.model, rule.pool, f.est_tokens)
-        return self._placed(await self._plan_in(f, policy, seq, dry_run, snap, pool), policy)
+        plan = await self._plan_in(f, policy, seq, dry_run, snap, pool)
+        if pool != rule_pool:
+            plan = dataclasses.replace(plan, spilled_from=rule_pool)
+        return self._placed(plan, policy)
 
     async def _plan_in(
         self, f: Features, policy: PolicyName, seq: int, dry_run: bool, snap: Snapshot, pool: str | None
@@ -171,16 +176,12 @@ class Planner:
         others = [(p, self.registry.snapshot(model, pool=p)) for p in self.config.pools.spill.get(pool, ())]
         roomy = [(p, snap) for p, snap in others if any(snap.has_room(n) for n in snap.nodes)]
         if not room and roomy:
-            return self._spilled(pool, *roomy[0])
+            return roomy[0]
         if ratio is not None:
             for other, snap in roomy if room else others:
                 if mine > ratio * (_backlog(snap) + tokens):
-                    return self._spilled(pool, other, snap)
+                    return other, snap
         return pool, first
-
-    def _spilled(self, pool: str, other: str, snap: Snapshot) -> tuple[str, Snapshot]:
-        self.metrics.pool_spills.labels(pool, other).inc()
-        return other, snap
 
     def must_wait(self, plan: Plan, past_share: bool = False) -> bool:
         """Whether the request waits at the gateway: its backend has no room now, and neither has
@@ -348,7 +349,10 @@ class Planner:
         predicted: float | None = None,
     ) -> Routed:
         """The decision as Nginx gets it; ``counted``: the backend this request is already counted
-        in flight on, with its tokens (not work ahead of itself)."""
+        in flight on, with its tokens (not work ahead of itself): a committed decision, so a spill
+        counts here (not at each plan: a waiting request is planned again each round)."""
+        if counted[0] and plan.spilled_from is not None:
+            self.metrics.pool_spills.labels(plan.spilled_from, plan.pool).inc()
 
         def pairs(ids: tuple[str, ...]) -> tuple[Candidate, ...]:
             return tuple(Candidate(b, self.registry.address(b)) for b in ids)

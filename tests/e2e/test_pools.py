@@ -58,6 +58,9 @@ def test_prompts_go_to_their_pool_and_a_full_pool_spills(stack: Supervisor) -> N
     assert short_route.endswith("@short") and short_backend in ("sim-0", "sim-1")
     long_route, long_backend = route(2000, "l")  # ~13 KB: ~3,300 estimated tokens
     assert long_route.endswith("@long") and long_backend == "sim-2"
+    # Its end report is on its way: until it lands, the long pool's backlog (its 3,300 tokens plus a
+    # new one's) is over 1.25x the short pool's, and a long prompt spills by backlog.
+    wait_until(lambda: gw.sidecar.backends()["sim-2"]["inflight_tokens"] == 0, timeout=10, every=0.02)
     status, explained = http_json(
         "POST",
         gw.sidecar.http + "/v1/decide",
@@ -74,8 +77,7 @@ def test_prompts_go_to_their_pool_and_a_full_pool_spills(stack: Supervisor) -> N
     first: list[tuple[str, str]] = []
     holder = threading.Thread(target=lambda: first.append(route(3000, "p0-")))
     holder.start()
-    # Over the pool's budget: only the held request does that (the earlier long one, whose end report
-    # may still be on its way, counted fewer than 4,096 tokens).
+    # Over the pool's budget: only the held request does that.
     wait_until(lambda: gw.sidecar.backends()["sim-2"]["inflight_tokens"] >= 4096, timeout=10, every=0.02)
     spilled = route(3000, "p1-")
     holder.join(30)
