@@ -48,8 +48,8 @@ def test_disaggregation_applies_to_the_models_it_names() -> None:
         load(DisaggConfig, {"models": "m1"}, "disaggregation")
 
 
-def test_a_pool_spills_by_backlog_at_1_25_unless_told_otherwise_and_never_to_a_busier_pool() -> None:
-    assert load(PoolsConfig, {}, "pools").backlog_ratio == 1.25
+def test_a_pool_spills_by_backlog_at_2_unless_told_otherwise_and_never_to_a_busier_pool() -> None:
+    assert load(PoolsConfig, {}, "pools").backlog_ratio == 2.0
     assert load(PoolsConfig, {"backlog_ratio": 0}, "pools").backlog_ratio == 0.0  # only when full
     with pytest.raises(ConfigError, match="would spill to a busier pool"):
         load(PoolsConfig, {"backlog_ratio": 0.5}, "pools")

@@ -58,8 +58,8 @@ def test_prompts_go_to_their_pool_and_a_full_pool_spills(stack: Supervisor) -> N
     assert short_route.endswith("@short") and short_backend in ("sim-0", "sim-1")
     long_route, long_backend = route(2000, "l")  # ~13 KB: ~3,300 estimated tokens
     assert long_route.endswith("@long") and long_backend == "sim-2"
-    # Its end report is on its way: until it lands, the long pool's backlog (its 3,300 tokens plus a
-    # new one's) is over 1.25x the short pool's, and a long prompt spills by backlog.
+    # Its end report is on its way: until it lands the long pool counts its 3,300 tokens as backlog,
+    # enough at a lower pools.backlog_ratio for a long prompt to spill.
     wait_until(lambda: gw.sidecar.backends()["sim-2"]["inflight_tokens"] == 0, timeout=10, every=0.02)
     status, explained = http_json(
         "POST",

@@ -218,11 +218,12 @@ class PoolsConfig:
         (), _rules, "a list of {pool, model, max_prompt_tokens}; the first that matches picks the pool"
     )
     spill: Mapping[str, tuple[str, ...]] = custom({}, _spill, "pool: [pools to try next]")
-    # 1.25 measured best without the gateway queue on the trace: p99 below round robin's at 1x to 3x
-    # in two windows (2: 1.09x and 1.16x at 3x, the one long-prompt backend falling behind; plain
-    # pools 2.8x); with the queue it changes little.
+    # 2 without the gateway queue: p99 under round robin's at 1x to 2x on the trace, 1.09x at 3x
+    # (virtual, one long-prompt backend of four). 1.25 held 3x too there, but on two real servers at
+    # 3x it sent long prompts into the one short backend: mean 2.0x round robin's against 0.69x at 2.
+    # With the queue it changes little.
     backlog_ratio: float = number(
-        1.25,
+        2.0,
         0.0,
         1000.0,
         "also spill while the pool has room, when the prefill a request would wait for there (the least "
