@@ -97,6 +97,10 @@ def test_the_key_list_nginx_reads_is_versioned_by_its_content() -> None:
     one, same = admission(auth={"keys": [KEY]}).keys(), admission(auth={"keys": [KEY]}).keys()
     other = admission(auth={"keys": [{**KEY, "sha256": "b" * 64}]}).keys()
     assert one == same and one.version != other.version and one.keys == {"a" * 64: "team-a"}
+    # Each limited key's rate goes too, for Nginx to hold it to while it routes on its own.
+    assert one.rates == {}
+    limited = admission(auth={"keys": [KEY]}, limits={"per_key": {"requests_per_minute": 30}}).keys()
+    assert limited.rates == {"team-a": (30, 0)} and limited.version != one.version
 
 
 def test_a_request_nginx_routed_on_its_own_counts_against_its_key_when_it_ends() -> None:

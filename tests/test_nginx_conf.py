@@ -12,7 +12,7 @@ from kvgate.nginx_conf import LUA, NginxSettings, configure_lua, lua_literal
 
 from tests.helpers import ROOT
 
-LUA_CONSTANTS = {"dict", "report_timeout_ms", "send_timeout_ms", "configure"}
+LUA_CONSTANTS = {"dict", "limits_dict", "report_timeout_ms", "send_timeout_ms", "configure"}
 
 
 def rendered_names() -> set[str]:

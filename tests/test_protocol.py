@@ -86,7 +86,8 @@ def reply(d: dict[str, Any]) -> object:
     if kind == "error":
         return ErrorReply(ErrorCode(d["code"]), d["message"], d["retry_after"])
     if kind == "keys":
-        return KeysReply(d["version"], d["keys"], d["priorities"])
+        rates = {name: tuple(rate) for name, rate in d["rates"].items()}
+        return KeysReply(d["version"], d["keys"], d["priorities"], rates)
     if kind == "peers":
         return PeersReply(
             d["version"],

@@ -228,7 +228,7 @@ function _M.run()
     local decision, err, reason, answered = decide(id, f)
     local decided = decision ~= nil
     if not decided then
-        local ids, addrs = failopen.route(id, f.key, err, reason, answered)
+        local ids, addrs = failopen.route(id, f, err, reason, answered)
         decision = { ids = ids, addrs = addrs, route = "fail-open", priority = priority.fail_open(f, key_name) }
     end
     local route, strip_usage = backend_body(body, raw, decision, kind)

@@ -1,9 +1,10 @@
 -- API keys at the gateway: Authorization: Bearer <key>, checked against the keys' SHA-256 hashes the
 -- sidecar hands out (never the keys). One worker refreshes them every second into the shared dict
--- (auth:keys, auth:classes, auth:version); each worker decodes them once per version. Nginx checks
--- keys itself, so auth holds while the sidecar is away: it fails closed (503 until the keys first
--- arrive). The classes (a key's priority) are kept apart from the keys, so that a shared dict filled
--- by an older release still reads after a reload.
+-- (auth:keys, auth:classes, auth:rates, auth:version); each worker decodes them once per version.
+-- Nginx checks keys itself, so auth holds while the sidecar is away: it fails closed (503 until the
+-- keys first arrive). The classes (a key's priority) and rates (its limits, which Nginx routing on
+-- its own holds it to) are kept apart from the keys, so that a shared dict filled by an older
+-- release still reads after a reload.
 
 local cjson    = require "cjson.safe"
 local conf     = require "kvgate.conf"
@@ -44,7 +45,7 @@ local function sha256_hex(s)
 end
 _M.sha256_hex = sha256_hex
 
-local cache = { version = nil, keys = nil, classes = {} }
+local cache = { version = nil, keys = nil, classes = {}, rates = {} }
 
 local function current_keys()
     local dict = ngx.shared[conf.dict]
@@ -53,7 +54,9 @@ local function current_keys()
         local keys = cjson.decode(dict:get("auth:keys") or "")
         if type(keys) == "table" then
             local classes = cjson.decode(dict:get("auth:classes") or "")
+            local rates = cjson.decode(dict:get("auth:rates") or "")
             cache.keys, cache.classes, cache.version = keys, type(classes) == "table" and classes or {}, version
+            cache.rates = type(rates) == "table" and rates or {}
         end
     end
     return cache.keys
@@ -68,9 +71,9 @@ local function refresh(premature)
         return
     end
     local reply, err = sidecar.call_keys()
-    local version, keys, classes
+    local version, keys, classes, rates
     if reply then
-        version, keys, classes = protocol.key_list(reply)
+        version, keys, classes, rates = protocol.key_list(reply)
         err = keys
     end
     if not version then
@@ -80,8 +83,11 @@ local function refresh(premature)
     if dict:get("auth:version") == version then
         return
     end
-    -- The classes first: a worker that sees the new version reads both.
+    -- The classes and rates first: a worker that sees the new version reads all three.
     local ok, set_err = dict:set("auth:classes", cjson.encode(classes))
+    if ok then
+        ok, set_err = dict:set("auth:rates", cjson.encode(rates))
+    end
     if ok then
         ok, set_err = dict:set("auth:keys", cjson.encode(keys))
     end
@@ -131,6 +137,15 @@ end
 -- unless the config gives it one. ``name`` comes from check(), which brought the cache up to date.
 function _M.priority(name)
     return name and cache.classes[name] or 0
+end
+
+-- A key's rate limit, requests and tokens a minute (0: none), for Nginx routing on its own.
+function _M.rate(name)
+    local r = name and cache.rates[name]
+    if type(r) ~= "table" then
+        return 0, 0
+    end
+    return r[1] or 0, r[2] or 0
 end
 
 return _M

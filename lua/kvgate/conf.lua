@@ -12,6 +12,7 @@ local setmetatable = setmetatable
 local _M = {
     -- Nginx's own constants, not settings of the config.
     dict = "kvgate",                            -- the lua_shared_dict of the fail-open peers
+    limits_dict = "kvgate_limits",              -- and of the fail-open rate-limit windows
     report_timeout_ms = 200,                    -- outcome reports and peer refreshes run in timers
     send_timeout_ms = 60000,                    -- to a backend, per try
 }

@@ -7,6 +7,7 @@ local agreement = require "kvgate.agreement"
 local cjson     = require "cjson.safe"
 local conf      = require "kvgate.conf"
 local errors    = require "kvgate.errors"
+local limits    = require "kvgate.failopen_limits"
 local outbox    = require "kvgate.outbox"
 local protocol  = require "kvgate.protocol"
 local sidecar   = require "kvgate.sidecar"
@@ -70,8 +71,9 @@ function _M.order(key)
 end
 
 -- A request the sidecar did not decide (access's fail-open): ids, addrs on the local ring, counted
--- by ``reason``; or it ends with a 503 when no peer is known.
-function _M.route(id, key, err, reason, answered)
+-- by ``reason``; or it ends with a 429 when its key or address is over its rate, with a 503 when no
+-- peer is known.
+function _M.route(id, f, err, reason, answered)
     if not answered then
         -- The sidecar may have made (and counted) the decision we did not wait for.
         outbox.push(protocol.drop(id))
@@ -79,7 +81,8 @@ function _M.route(id, key, err, reason, answered)
     stats.incr("m:failopen:", reason)
     ngx_log(ngx_WARN, "kvgate: sidecar decision failed (", err or "no eligible backend",
             "); routing on the local ring")
-    local ids, addrs = _M.order(key)
+    limits.admit(f)
+    local ids, addrs = _M.order(f.key)
     if #addrs == 0 then
         return errors.send(503, "No healthy backend is available.")
     end

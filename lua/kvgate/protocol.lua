@@ -181,13 +181,13 @@ function _M.peer_list(reply)
     return reply.v, reply.peers, known
 end
 
--- The API keys: version, {sha256 hex = key name}, {key name = priority} (the classes not 0); or
--- nil, error.
+-- The API keys: version, {sha256 hex = key name}, {key name = priority} (the classes not 0),
+-- {key name = {requests, tokens}} (the limited keys' rates a minute); or nil, error.
 function _M.key_list(reply)
     if type(reply.keys) ~= "table" or type(reply.v) ~= "number" then
         return nil, "malformed keys reply"
     end
-    local classes = {}
+    local classes, rates = {}, {}
     if type(reply.kp) == "table" then
         for name, p in pairs(reply.kp) do
             if type(name) == "string" and type(p) == "number" then
@@ -195,7 +195,15 @@ function _M.key_list(reply)
             end
         end
     end
-    return reply.v, reply.keys, classes
+    if type(reply.kl) == "table" then
+        for name, r in pairs(reply.kl) do
+            if type(name) == "string" and type(r) == "table" and type(r[1]) == "number"
+                    and type(r[2]) == "number" then
+                rates[name] = { r[1], r[2] }
+            end
+        end
+    end
+    return reply.v, reply.keys, classes, rates
 end
 
 -- The model cards of /v1/models, or nil, error.

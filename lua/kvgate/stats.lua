@@ -57,6 +57,8 @@ end
 local FAMILIES = {
     { name = "kvgate_gateway_failopen_total", prefix = "m:failopen:", label = "reason",
       help = "Requests Nginx routed without a sidecar decision, by why: timeout, refused, error." },
+    { name = "kvgate_gateway_failopen_limited_total", prefix = "m:failopen_limited:", label = "by",
+      help = "Requests refused (429) while Nginx routed on its own: their key or address was over its rate." },
     { name = "kvgate_gateway_late_replies_total", prefix = "m:late:", label = "call",
       help = "Sidecar replies read after their timeout fired: in time, but this worker was busy." },
     { name = "kvgate_gateway_errors_total", prefix = "m:errors:", label = "status",

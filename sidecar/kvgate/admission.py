@@ -116,8 +116,13 @@ class Admission:
         """The hashed API keys Nginx checks (versioned, so Nginx re-reads them only on change)."""
         keys = {k.sha256: k.name for k in self.config.auth.keys}
         classes = {k.name: k.priority for k in self.config.auth.keys if k.priority}
-        version = zlib.crc32(json.dumps([keys, classes], sort_keys=True).encode())
-        return KeysReply(version, keys, classes)
+        rates = {}
+        if (limiter := self.limiter) is not None:  # what Nginx holds each key to on its own
+            for k in self.config.auth.keys:
+                if (rate := limiter.rate(f"key:{k.name}")).limited:
+                    rates[k.name] = (rate.requests_per_minute, rate.tokens_per_minute)
+        version = zlib.crc32(json.dumps([keys, classes, rates], sort_keys=True).encode())
+        return KeysReply(version, keys, classes, rates)
 
 
 def identities_of(client_key: str | None, client_addr: str | None) -> list[str]:

@@ -48,6 +48,9 @@ def gateway_settings(config: Config) -> dict[str, Any]:
         "auth": config.auth.enabled,
         "open_routes": config.auth.open_routes,
         "limits": config.limited,
+        # Nginx routing on its own holds each client address to its rate (each key: the keys reply).
+        "client_requests_per_minute": config.limits.per_client.requests_per_minute,
+        "client_tokens_per_minute": config.limits.per_client.tokens_per_minute,
         "queue": config.queue.enabled,
         "queue_heartbeat_ms": round(config.queue.heartbeat_s * 1000),
         # Nginx routing on its own forwards the priority the sidecar would have (priority_of).

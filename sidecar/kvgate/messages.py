@@ -183,6 +183,8 @@ class KeysReply:
     keys: Mapping[str, str]  # sha256 hex -> key name
     # key name -> its priority class, where not 0: what Nginx forwards when it routes on its own
     priorities: Mapping[str, int] = field(default_factory=dict)
+    # key name -> (requests, tokens) a minute, where limited: what Nginx holds it to on its own
+    rates: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
 
 Reply = DecisionReply | QueuedReply | ErrorReply | PeersReply | ModelsReply | KeysReply

@@ -76,6 +76,8 @@ class NginxSettings:
     open_routes: tuple[str, ...] = _taken("open_routes")
     catch_all: bool = True  # a `location /v1/` for the other /v1/ routes
     limits: bool = _taken("limits")  # rate limits apply
+    client_requests_per_minute: int = _taken("client_requests_per_minute")  # fail-open: per address
+    client_tokens_per_minute: int = _taken("client_tokens_per_minute")
     queue: bool = _taken("queue", lua=False)  # the gateway queue is on (the sidecar's business)
     queue_heartbeat_ms: int = _taken("queue_heartbeat_ms")
     client_priority: bool = _taken("client_priority")  # fail-open: the client's priority counts

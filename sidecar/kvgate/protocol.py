@@ -32,7 +32,8 @@ sidecar -> Lua::
      "fp":the sidecar's settings fingerprint,"au":auth on,"li":rate limits on}
     {"pv":4,"data":[model card,...]}
     {"pv":4,"v":keys version,"keys":{sha256 hex:key name,...},
-     "kp":{key name:priority,...} the keys whose class is not 0 (fail-open forwards it)}
+     "kp":{key name:priority,...} the keys whose class is not 0 (fail-open forwards it),
+     "kl":{key name:[requests,tokens],...} the limited keys' rates a minute (fail-open holds them)}
 
 Nginx names each decision (``i``, unique per gateway) before asking, so it can end a decision it will
 not use (a late answer, fail-open, a client gone before dispatch) without having heard the answer.
@@ -343,6 +344,8 @@ def encode_reply(reply: Reply) -> dict[str, Any]:
         keys: dict[str, Any] = {"pv": VERSION, "v": reply.version, "keys": dict(reply.keys)}
         if reply.priorities:
             keys["kp"] = dict(reply.priorities)
+        if reply.rates:
+            keys["kl"] = {name: list(rate) for name, rate in reply.rates.items()}
         return keys
     if isinstance(reply, PeersReply):
         return {
@@ -364,7 +367,8 @@ def decode_reply(d: Mapping[str, Any]) -> Reply:
     if "e" in d:
         return ErrorReply(ErrorCode(d["e"]), str(d.get("msg", "")), d.get("ra"))
     if "keys" in d:
-        return KeysReply(int(d["v"]), dict(d["keys"]), dict(d.get("kp", {})))
+        rates = {name: (int(r), int(t)) for name, (r, t) in d.get("kl", {}).items()}
+        return KeysReply(int(d["v"]), dict(d["keys"]), dict(d.get("kp", {})), rates)
     if "q" in d:
         return QueuedReply(str(d["i"]))
     if "c" in d:

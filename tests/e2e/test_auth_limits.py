@@ -293,6 +293,39 @@ def test_what_nginx_routes_while_the_sidecar_is_away_counts_against_the_key_once
     assert call(gw.url, KEY_B, {**body, "max_tokens": 400})[0] == 200  # another key's budget is whole
 
 
+def nginx_sample(gw: Gateway, key: str, name: str, **labels: str) -> float:
+    """One sample of Nginx's own counters (/kvgate/metrics; 0 when absent)."""
+    req = urllib.request.Request(gw.url + "/kvgate/metrics", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        text = resp.read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return float(s.value)
+    return 0.0
+
+
+def test_while_the_sidecar_is_away_nginx_holds_each_key_and_address_to_its_rate(stack: Supervisor) -> None:
+    """Counted only at their ends, the requests Nginx routes on its own were never held back: a
+    client able to make the sidecar slow could use past its limits for as long as it stayed slow.
+    Now Nginx counts them itself against each key's rate (from the keys reply) and the address's,
+    and refuses the one over with the same 429 the sidecar gives."""
+    sim = start_backends(stack, 2)
+    extra = keyed(per_key={"requests_per_minute": 2}, per_client={"requests_per_minute": 4})
+    gw = Gateway(stack, "gw", None, sim, 2, extra=extra)
+    inside_one_window(30.0)
+    stack.kill(gw.sidecar.name)
+    answers = [call(gw.url, KEY_A) for _ in range(3)]
+    assert [(s, h.get("X-Kvgate-Route")) for s, h, _ in answers[:2]] == [(200, "fail-open")] * 2
+    status, headers, body = answers[2]
+    assert status == 429 and body["error"]["code"] == "rate_limit_exceeded", body  # the key's 2
+    assert 1 <= int(headers["Retry-After"]) <= 60
+    # team-b's own rate is 3 a minute, but the address has had its 4 (a refused request is not one).
+    assert [call(gw.url, KEY_B)[0] for _ in range(3)] == [200, 200, 429]
+    assert nginx_sample(gw, KEY_B, "kvgate_gateway_failopen_limited_total", by="key") == 1
+    assert nginx_sample(gw, KEY_B, "kvgate_gateway_failopen_limited_total", by="address") == 1
+
+
 def test_a_paused_sidecar_counts_each_request_nginx_routed_meanwhile_once(stack: Supervisor) -> None:
     """A sidecar stopped for a while (starved of CPU, paused) answers every decision too late: Nginx
     routes each request on its own and reports the decision dropped, and that drop may reach the

@@ -87,8 +87,8 @@ local function run_protocol()
             meaning = { kind = "error", code = code, message = msg, decision = d ~= nil,
                         retry_after = retry_after }
         elseif case.wire.keys then
-            local version, keys, classes = protocol.key_list(reply)
-            meaning = { kind = "keys", version = version, keys = keys, priorities = classes }
+            local version, keys, classes, rates = protocol.key_list(reply)
+            meaning = { kind = "keys", version = version, keys = keys, priorities = classes, rates = rates }
         elseif protocol.queued(reply) then
             meaning = { kind = "queued", decision_id = reply.i }
         elseif case.wire.c then

@@ -108,7 +108,9 @@ REPLIES = [
     ErrorReply(ErrorCode.UNKNOWN_MODEL, "The model `x` does not exist."),
     ErrorReply(ErrorCode.PROTOCOL_VERSION, "protocol version mismatch"),
     ErrorReply(ErrorCode.RATE_LIMITED, "Rate limit reached; retry later.", 42),
-    KeysReply(7, {"a" * 64: "team-a", "b" * 64: "team-b"}, {"team-b": -2}),
+    KeysReply(
+        7, {"a" * 64: "team-a", "b" * 64: "team-b"}, {"team-b": -2}, {"team-a": (60, 0), "team-b": (0, 5000)}
+    ),
     PeersReply(
         3,
         (Candidate("sim-0", "127.0.0.1:8001"), Candidate("sim-1", "127.0.0.1:8002")),
@@ -174,7 +176,13 @@ def reply(r: object) -> dict[str, object]:
     if isinstance(r, ErrorReply):
         return {"kind": "error", "code": r.code.value, "message": r.message, "retry_after": r.retry_after}
     if isinstance(r, KeysReply):
-        return {"kind": "keys", "version": r.version, "keys": dict(r.keys), "priorities": dict(r.priorities)}
+        return {
+            "kind": "keys",
+            "version": r.version,
+            "keys": dict(r.keys),
+            "priorities": dict(r.priorities),
+            "rates": {name: list(rate) for name, rate in r.rates.items()},
+        }
     if isinstance(r, PeersReply):
         return {
             "kind": "peers",
