@@ -79,9 +79,9 @@ function _M.route(id, f, err, reason, answered)
         outbox.push(protocol.drop(id))
     end
     stats.incr("m:failopen:", reason)
+    limits.admit(f)   -- may end it with a 429, before it is logged as routed
     ngx_log(ngx_WARN, "kvgate: sidecar decision failed (", err or "no eligible backend",
             "); routing on the local ring")
-    limits.admit(f)
     local ids, addrs = _M.order(f.key)
     if #addrs == 0 then
         return errors.send(503, "No healthy backend is available.")

@@ -5,9 +5,10 @@
 -- (conf.client_*_per_minute) is held to its rate in one-minute windows, counted in a shared dict of
 -- their own (conf.limits_dict: full, it evicts the oldest windows, never the peers or the keys)
 -- by this Nginx alone. What the sidecar counted before it went away is not seen here, so a client
--- can get one more window's worth per gateway instance, no more. Tokens are estimated as the
--- sidecar does at admission: the prompt's bytes / 4 plus max_tokens for each completion (none when
--- the request sets no max_tokens: its end counts what it used).
+-- can get one more window's worth per gateway instance, no more. Tokens are estimated as at
+-- admission, at 4 bytes a token (the sidecar's ratio before it learns a model's): the prompt plus
+-- max_tokens for each completion (none when the request sets no max_tokens: its end counts what it
+-- used).
 
 local conf   = require "kvgate.conf"
 local auth   = require "kvgate.auth"
@@ -48,10 +49,11 @@ function _M.admit(f)
     local now = ngx_now()
     local window = math_floor(now / WINDOW_S)
     local tokens = math_ceil((f.prompt_bytes or 0) / 4) + (f.max_tokens or 0) * (f.completions or 1)
+    -- Only an identity with a limit is counted (auth.rate of no key is 0, 0).
     local key_r, key_t = auth.rate(f.client_key)
     local ip_r, ip_t = conf.client_requests_per_minute, conf.client_tokens_per_minute
-    local key = f.client_key and ("fo:" .. window .. ":k:" .. f.client_key .. ":")
-    local ip = f.client_addr and ("fo:" .. window .. ":a:" .. f.client_addr .. ":")
+    local key = (key_r > 0 or key_t > 0) and ("fo:" .. window .. ":k:" .. f.client_key .. ":")
+    local ip = (ip_r > 0 or ip_t > 0) and f.client_addr and ("fo:" .. window .. ":a:" .. f.client_addr .. ":")
     local refused = key and over(dict, key, key_r, key_t, tokens) and "API key"
         or ip and over(dict, ip, ip_r, ip_t, tokens) and "client address"
     if refused then
